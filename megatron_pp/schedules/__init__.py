@@ -1,0 +1,1 @@
+"""Pipeline schedules as data: IR, generators, passes, validator, simulator, executor."""

@@ -1,0 +1,1 @@
+"""Training loop, arguments, optimizer and logging."""

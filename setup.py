@@ -1,0 +1,33 @@
+"""Packaging for megatron_pp.
+
+torch is required but deliberately loose (>= 2.11): GPU clusters often carry an older build than CI,
+and pip must never replace a site's CUDA torch with a different one.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_pp",
+    version="0.1.0",
+    description="Megatron-style LLM pretraining with memory-efficient pipeline parallelism",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_pp", "megatron_pp.*"]),
+    install_requires=[
+        "torch>=2.11",
+        "numpy",
+        "pyyaml",
+        "transformers",
+        "sentencepiece",
+        "tokenizers",
+        "safetensors",
+        "wandb",
+        "tensorboard",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={
+        "gpu": ["flash-attn"],
+        "dev": ["pytest", "hypothesis"],
+    },
+)
