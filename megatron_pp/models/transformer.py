@@ -1,0 +1,474 @@
+"""The decoder-only transformer, one pipeline stage at a time, readable top to bottom.
+
+GPT (learned positions, LayerNorm, GELU, biases, tied output) and LLaMA (RoPE, RMSNorm, SwiGLU, grouped-
+query attention, no biases, untied output) are the same architecture under different `TransformerConfig`
+values. A `StageModel` holds what one global pipeline stage (`StageSpec`) owns: a range of layers, plus
+the embedding on the first stage and the final norm, output layer and loss on the last. Layers sit in a
+ModuleDict keyed by their *global* index, so a parameter is called e.g.
+`layers.7.self_attention.linear_qkv.weight` whatever the pipeline split.
+
+Tensors are sequence-first: hidden states are `[s, b, h]`, or this rank's `[s/tp, b, h]` rows under
+sequence parallelism. Matrices are split over the tensor-parallel group Megatron-style: QKV and fc1
+column-parallel, the attention output projection and fc2 row-parallel, the vocabulary split across ranks
+for the embedding, the output layer and the cross-entropy.
+
+Initialisation does not depend on the layout: `init_stage_weights` draws every parameter's full tensor
+from a generator seeded by (seed, parameter name) and keeps this rank's slice, so tp=1, tp=4, a 2-stage
+pipeline or an interleaved one all start from bit-identical weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from typing import Any, ContextManager, Iterable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megatron_pp.core.tensor_parallel import (
+    TENSOR_PARALLEL_RNG,
+    ColumnParallelLinear,
+    RNGTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    gather_tensor,
+    get_rng_tracker,
+    mark_replicated,
+    param_is_partitioned,
+    scatter_to_sequence_parallel_region,
+    shard_tensor,
+    tp_rank,
+    tp_size,
+    vocab_parallel_cross_entropy,
+)
+from megatron_pp.models.attention import attention
+from megatron_pp.models.config import TransformerConfig
+from megatron_pp.models.layout import StageSpec, split_layers
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [s, b, 1, head_dim / 2] in fp32
+
+
+# Building blocks ----------------------------------------------------------------------------------------
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim, computed in fp32 whatever the activation dtype.
+
+    Weights are replicated on every TP rank. Under sequence parallelism each rank normalises only its
+    rows, so its weight gradient is a partial sum: the parameters are tagged `sequence_parallel` and the
+    training code sums their gradients over the TP group.
+    """
+
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool, device: Optional[torch.device]):
+        super().__init__()
+        self.eps = config.norm_epsilon
+        shape = (config.hidden_size,)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+        if config.normalization == "LayerNorm":
+            self.bias = nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters():
+            mark_replicated(param)
+            param.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.weight.shape
+        if self.bias is None:
+            y = F.rms_norm(x.float(), shape, self.weight.float(), self.eps)
+        else:
+            y = F.layer_norm(x.float(), shape, self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> Rotary:
+    """cos and sin of RoPE's angles `position * base^(-2i/d)` for positions `[b, s]`, as `[s, b, 1, d/2]`."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
+    angles = position_ids.t().float().unsqueeze(-1) * inv_freq  # [s, b, d/2]
+    return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
+
+
+def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Rotate `[s, b, heads, d]` pairs (x_i, x_{i+d/2}) by RoPE's angles (the "rotate half" convention of
+    Hugging Face's LLaMA, so converted checkpoints need no permutation of q and k)."""
+    cos, sin = rotary
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def hidden_dropout(
+    x: torch.Tensor, p: float, *, training: bool, sequence_parallel: bool, rng_tracker: RNGTracker
+) -> torch.Tensor:
+    """Dropout on the residual stream. Replicated across TP ranks it must draw the same mask everywhere
+    (the default generator, seeded alike on all TP ranks); split by sequence it must differ per rank."""
+    if not training or p == 0.0:
+        return x
+    with _fork_if(sequence_parallel, rng_tracker):
+        return F.dropout(x, p)
+
+
+def _fork_if(condition: bool, rng_tracker: RNGTracker) -> ContextManager:
+    return rng_tracker.fork(TENSOR_PARALLEL_RNG) if condition else contextlib.nullcontext()
+
+
+class Embedding(nn.Module):
+    """Word embedding (vocabulary split over TP) plus, for GPT, a learned position table.
+
+    Returns `[s, b, h]`, or this rank's `[s/tp, b, h]` under sequence parallelism: the word embedding is
+    then reduce-scattered instead of all-reduced, and the position embedding, replicated on every rank,
+    contributes its matching rows (its gradient comes back whole through the scatter's all-gather, so it
+    needs no `sequence_parallel` tag). `with_positions=False` builds only the word embedding: the copy
+    that the last stage of a pipeline keeps for a tied output layer.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: Optional[ProcessGroup],
+        sequence_parallel: bool,
+        device: Optional[torch.device],
+        with_positions: bool = True,
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size(tp_size(tp_group)),
+            config.hidden_size,
+            tp_group=tp_group,
+            reduce_scatter_embeddings=sequence_parallel,
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+        self.position_embeddings: Optional[nn.Embedding] = None
+        if with_positions and config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.num_positions, config.hidden_size, dtype=config.params_dtype, device=device
+            )
+            mark_replicated(self.position_embeddings.weight)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            positions = self.position_embeddings(position_ids).transpose(0, 1)  # [s, b, h]
+            if self.sequence_parallel:
+                positions = scatter_to_sequence_parallel_region(positions, self.tp_group)
+            hidden = hidden + positions
+        return hidden
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with grouped query heads.
+
+    The fused QKV weight is laid out per query group: the group's q heads, then its one k head, then its
+    one v head. A contiguous column-parallel split therefore hands each TP rank whole groups, with the
+    keys and values its query heads read, and no communication inside attention.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: Optional[ProcessGroup],
+        sequence_parallel: bool,
+        rng_tracker: RNGTracker,
+        device: Optional[torch.device],
+    ):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.heads_per_group = config.num_attention_heads // config.query_groups
+        self.local_groups = config.query_groups // tp_size(tp_group)
+        self.dropout = config.attention_dropout
+        self.backend = config.attention_backend
+        self.rng_tracker = rng_tracker
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, config.qkv_size, **common)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, input_is_parallel=True, **common
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Optional[Rotary],
+        cu_seqlens: Optional[torch.Tensor],
+        max_seqlen: Optional[int],
+    ) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, local_groups * (heads_per_group + 2) * d], s the full sequence
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        dropout_p = self.dropout if self.training else 0.0
+        # Each TP rank holds different heads, so their probability dropout masks must differ.
+        with _fork_if(dropout_p > 0.0, self.rng_tracker):
+            out = attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                causal=True, dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                backend=self.backend,
+            )
+        return self.linear_proj(out.transpose(0, 1).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel) -> GELU or SwiGLU -> fc2 (row-parallel).
+
+    SwiGLU's gate and up projections are one fc1 weight `[gate; up]` split with partition stride 2, so
+    each rank's shard is `[its gate rows; its up rows]` and splits locally into the two halves.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: Optional[ProcessGroup],
+        sequence_parallel: bool,
+        device: Optional[torch.device],
+    ):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, config.ffn_size * (2 if self.swiglu else 1),
+            partition_stride=2 if self.swiglu else 1, **common,
+        )
+        self.linear_fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, input_is_parallel=True, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")  # GPT-2's GELU, so converted GPT-2 checkpoints match
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)), dropout on each branch."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: Optional[ProcessGroup],
+        sequence_parallel: bool,
+        rng_tracker: RNGTracker,
+        device: Optional[torch.device],
+    ):
+        super().__init__()
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        self.rng_tracker = rng_tracker
+        self.input_layernorm = Norm(config, sequence_parallel, device)
+        self.self_attention = SelfAttention(config, tp_group, sequence_parallel, rng_tracker, device)
+        self.pre_mlp_layernorm = Norm(config, sequence_parallel, device)
+        self.mlp = MLP(config, tp_group, sequence_parallel, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Optional[Rotary],
+        cu_seqlens: Optional[torch.Tensor],
+        max_seqlen: Optional[int],
+    ) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, cu_seqlens, max_seqlen))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return hidden_dropout(x, self.hidden_dropout, training=self.training, sequence_parallel=self.sequence_parallel,
+                              rng_tracker=self.rng_tracker)
+
+
+# One pipeline stage -------------------------------------------------------------------------------------
+
+
+class StageModel(nn.Module):
+    """The layers, and possibly embedding and head, of one global pipeline stage.
+
+    `forward(hidden, batch)`:
+      - `batch["tokens"]` `[b, s]` int64 and `batch["labels"]` `[b, s]` int64; optional
+        `batch["position_ids"]` `[b, s]` (default 0..s-1) and, for packed documents, `batch["cu_seqlens"]`
+        (int32 boundaries over the flattened `b * s` tokens, see `models.attention`) with optional
+        `batch["max_seqlen"]`.
+      - the first stage ignores `hidden` (pass None) and embeds the tokens; other stages take `hidden`
+        `[s, b, h]` (`[s/tp, b, h]` under sequence parallelism) from the previous stage.
+      - a stage without the head returns hidden states in the same layout; the last stage returns the
+        per-token loss `[b, s]` in fp32, unreduced (masking and averaging belong to the pipeline executor).
+
+    With tied embeddings and the head on a different stage than the embedding, the head stage keeps its
+    own copy of the word embedding under the same name, `embedding.word_embeddings.weight`; both copies
+    are tagged `shared_embedding=True` and the training code must sum their gradients (all-reduce over
+    the embedding group) so they stay equal. On a stage holding both, it is a single parameter.
+
+    Weights are left uninitialised unless `seed` is given (then `init_stage_weights(self, seed)`), so a
+    model about to load a checkpoint pays nothing for initialisation.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        spec: StageSpec,
+        *,
+        tp_group: Optional[ProcessGroup] = None,
+        sequence_parallel: bool = False,
+        device: Optional[torch.device] = None,
+        seed: Optional[int] = None,
+        rng_tracker: Optional[RNGTracker] = None,
+    ):
+        super().__init__()
+        tp = tp_size(tp_group)
+        config.validate(tp)
+        if not 0 <= spec.layer_start <= spec.layer_end <= config.num_layers:
+            raise ValueError(
+                f"stage {spec.stage} holds layers [{spec.layer_start}, {spec.layer_end}) outside --num-layers "
+                f"{config.num_layers}"
+            )
+        sequence_parallel = sequence_parallel and tp > 1
+        if sequence_parallel and config.seq_length % tp != 0:
+            raise ValueError(
+                f"--seq-length {config.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
+                f"(required by --sequence-parallel)"
+            )
+        self.config = config
+        self.spec = spec
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.rng_tracker = rng_tracker if rng_tracker is not None else get_rng_tracker()
+        tied = not config.untie_embeddings_and_output_weights
+
+        self.embedding: Optional[Embedding] = None
+        if spec.has_embedding or (spec.has_head and tied):
+            self.embedding = Embedding(config, tp_group, sequence_parallel, device, with_positions=spec.has_embedding)
+            if tied and not (spec.has_embedding and spec.has_head):
+                self.embedding.word_embeddings.weight.shared_embedding = True
+
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(config, tp_group, sequence_parallel, self.rng_tracker, device)
+                for i in spec.layers
+            }
+        )
+
+        self.final_layernorm: Optional[Norm] = None
+        self.output_layer: Optional[ColumnParallelLinear] = None
+        if spec.has_head:
+            self.final_layernorm = Norm(config, sequence_parallel, device)
+            if not tied:
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, config.padded_vocab_size(tp), tp_group=tp_group, bias=False,
+                    sequence_parallel=sequence_parallel, params_dtype=config.params_dtype, device=device,
+                )
+        if seed is not None:
+            init_stage_weights(self, seed)
+
+    def forward(self, hidden: Optional[torch.Tensor], batch: Mapping[str, Any]) -> torch.Tensor:
+        tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+
+        if self.spec.has_embedding:
+            hidden = self.embedding(tokens, position_ids)
+            hidden = hidden_dropout(hidden, self.config.hidden_dropout, training=self.training,
+                                    sequence_parallel=self.sequence_parallel, rng_tracker=self.rng_tracker)
+        rotary = None
+        if self.config.position_embedding_type == "rope":
+            rotary = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
+        for layer in self.layers.values():
+            hidden = layer(hidden, rotary, batch.get("cu_seqlens"), batch.get("max_seqlen"))
+        if not self.spec.has_head:
+            return hidden
+
+        logits = self._logits(self.final_layernorm(hidden))  # [s, b, V/tp]
+        return vocab_parallel_cross_entropy(logits, batch["labels"].t(), self.tp_group).t()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.output_layer is not None:
+            return self.output_layer(hidden)
+        # Tied: the same column-parallel product, with the word embedding's vocabulary shard as weight
+        # (under sequence parallelism it saves only this rank's sequence shard, not the gathered input).
+        return column_parallel_linear(
+            hidden, self.embedding.word_embeddings.weight, None, self.tp_group, sequence_parallel=self.sequence_parallel
+        )
+
+
+def build_model(config: TransformerConfig, seed: int, device: Optional[torch.device] = None) -> StageModel:
+    """The whole model as one stage on one process: the single-process reference for every layout."""
+    (spec,) = split_layers(config.num_layers, 1)
+    return StageModel(config, spec, device=device, seed=seed)
+
+
+# Layout-independent initialisation ------------------------------------------------------------------------
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A generator seed from (seed, parameter name) that is stable across processes and runs.
+
+    Python's `hash` of a string is salted per process, so a cryptographic hash is used instead.
+    """
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_value(config: TransformerConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full (unsharded) fp32 initial value of parameter `name`, on CPU.
+
+    Megatron's rules: biases zero, norm scales one, weights normal(0, init_method_std), except the two
+    projections that write into the residual stream (attention output, fc2), scaled by 1/sqrt(2 * layers)
+    so the residual's variance does not grow with depth.
+    """
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "layernorm" in name:
+        return torch.ones(shape)
+    std = config.init_method_std
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std /= math.sqrt(2.0 * config.num_layers)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_stage_weights(model: StageModel, seed: int) -> None:
+    """Set every parameter to its slice of the layout-independent initial value (see `initial_value`)."""
+    size, rank = tp_size(model.tp_group), tp_rank(model.tp_group)
+    for name, param in model.named_parameters():
+        if param_is_partitioned(param):
+            full_shape = list(param.shape)
+            full_shape[param.partition_dim] *= size
+            full = initial_value(model.config, name, tuple(full_shape), seed)
+            value = shard_tensor(full, param.partition_dim, param.partition_stride, rank, size)
+        else:
+            value = initial_value(model.config, name, tuple(param.shape), seed)
+        param.copy_(value)
+
+
+def full_named_parameters(stage_models: Iterable[StageModel], *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered) parameters, or their gradients, of some stages, by global name, on CPU.
+
+    Collective over the stages' TP group: every TP rank must call it with the same stages. A name held by several
+    stages (the tied word embedding's copy on the head stage) appears once: for parameters the first
+    stage's value, for gradients the sum, which is what the training code's embedding all-reduce
+    produces. Gradients of parameters tagged `sequence_parallel` are returned as this rank holds them;
+    sum them over TP first, as the training code does.
+    """
+    full: dict[str, torch.Tensor] = {}
+    for model in stage_models:
+        for name, param in model.named_parameters():
+            tensor = param.grad if grads else param
+            if tensor is None:
+                raise ValueError(f"parameter {name} has no gradient; run a backward first")
+            if param_is_partitioned(param):
+                tensor = gather_tensor(tensor, param.partition_dim, param.partition_stride, model.tp_group)
+            tensor = tensor.detach().cpu().clone()
+            if name not in full:
+                full[name] = tensor
+            elif grads:
+                full[name] += tensor
+    return full
