@@ -1,0 +1,103 @@
+"""Point-to-point transfers between pipeline ranks.
+
+The executor hands this module one *batch* of sends and receives at a time (the consecutive
+communication actions of a schedule) and gets back handles. A batch is posted with
+`torch.distributed.batch_isend_irecv`, so on NCCL its members run as one group and a send and a receive
+that cross on the same link cannot deadlock each other; on gloo the same calls are plain async
+send/recv. Activation shapes are fixed by (sequence length, micro-batch size, hidden size), so receive
+buffers are allocated from a shape known ahead and nothing is exchanged to learn shapes at run time.
+
+Receives complete lazily: `Transfer.wait()` is called by the consumer right before it needs the data,
+so a receive posted early overlaps with compute. Sends are kept in flight until `PipelineComm.poll`
+sees them complete or `drain` waits for them, and only then may the sender free the sent storage.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Transfer:
+    """One posted receive: the buffer and the work that fills it."""
+
+    buffer: torch.Tensor
+    work: Optional[dist.Work]
+
+    def wait(self) -> tuple[torch.Tensor, float]:
+        """Block until the data has arrived; return the buffer and the seconds spent waiting."""
+        if self.work is None:
+            return self.buffer, 0.0
+        start = time.perf_counter()
+        self.work.wait()
+        self.work = None
+        return self.buffer, time.perf_counter() - start
+
+
+@dataclass
+class PendingSend:
+    work: dist.Work
+    tensor: torch.Tensor  # kept referenced until the send is done: the backend reads it asynchronously
+    on_complete: Optional[Callable[[], None]]
+
+
+@dataclass
+class PipelineComm:
+    """Batched p2p on one pipeline group; peers are given as pipeline ranks."""
+
+    group: Optional[dist.ProcessGroup]
+    global_ranks: list[int]  # pipeline rank -> global rank
+    pending: deque = field(default_factory=deque)
+    wait_s: float = 0.0  # time blocked in send completion during drain (receives report their own)
+
+    def post(
+        self,
+        sends: list[tuple[torch.Tensor, int, Optional[Callable[[], None]]]],
+        recvs: list[tuple[torch.Tensor, int]],
+    ) -> list[Transfer]:
+        """Post sends (tensor, peer pp rank, callback run once the send is done) and receives (buffer,
+        peer pp rank) as one batch. Returns one Transfer per receive, in order."""
+        ops = [dist.P2POp(dist.isend, t, self.global_ranks[peer], group=self.group) for t, peer, _ in sends]
+        ops += [dist.P2POp(dist.irecv, buf, self.global_ranks[peer], group=self.group) for buf, peer in recvs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        # batch_isend_irecv may return a single coalesced work for the whole batch (NCCL); then every
+        # member shares it.
+        if len(works) != len(ops):
+            works = [works[-1]] * len(ops) if works else [None] * len(ops)
+        for (tensor, _, callback), work in zip(sends, works[: len(sends)]):
+            self.pending.append(PendingSend(work, tensor, callback))
+        return [Transfer(buf, work) for (buf, _), work in zip(recvs, works[len(sends):])]
+
+    def poll(self) -> None:
+        """Retire sends that have completed, oldest first, without blocking."""
+        while self.pending and self.pending[0].work.is_completed():
+            self._retire(self.pending.popleft())
+
+    def drain(self) -> None:
+        """Wait for every send still in flight (end of step)."""
+        start = time.perf_counter()
+        while self.pending:
+            item = self.pending.popleft()
+            item.work.wait()
+            self._retire(item)
+        self.wait_s += time.perf_counter() - start
+
+    @staticmethod
+    def _retire(item: PendingSend) -> None:
+        if item.on_complete is not None:
+            item.on_complete()
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Free a tensor's data but keep its autograd node and shape.
+
+    Used on a stage output once it has been sent downstream: backward only needs the node (the last op
+    of a stage is a residual add, which saves nothing), and `torch.autograd.backward(out, grad)` checks
+    the shape, so the data is swapped for a single element broadcast to the same shape.
+    """
+    tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)

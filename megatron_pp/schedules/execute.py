@@ -1,0 +1,209 @@
+"""The executor: runs one pipeline rank's action list with real model chunks.
+
+It is the only place where schedules touch tensors, and it knows nothing about any particular schedule:
+it walks the validated list in order and dispatches each action to a handler. Consecutive communication
+actions form one batch, posted together (see `megatron_pp.core.p2p`). Later schedules add operations by
+adding handlers (`PipelineExecutor.handlers`), never by changing the loop.
+
+Per (microbatch, local chunk) the executor keeps the chunk's input (a leaf requiring grad, so its
+`.grad` is the gradient to send upstream), its output (or, on the last stage, its scaled loss) and the
+gradient of that output once received. A chunk whose neighbour stage sits on the same rank hands
+tensors over in memory instead of communicating.
+
+Loss convention: the last stage returns a per-token loss `[b, s]`; the executor reduces it to
+`sum(loss * loss_mask) * loss_scale`, where the caller passes `loss_scale = 1 / (tokens in the global
+batch)` (times a loss-scaling factor under fp16). Gradients summed over microbatches and data-parallel
+replicas then equal the gradient of the global per-token mean, exactly as one process would compute it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from megatron_pp.core.p2p import PipelineComm, Transfer, release_storage
+from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.store import ActivationStore
+
+COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+
+
+@dataclass
+class StepResult:
+    loss_sum: Optional[torch.Tensor]  # sum of masked per-token losses over my microbatches (last stage)
+    token_count: Optional[torch.Tensor]
+    peak_stash_bytes: int
+    peak_stash_count: int
+    comm_wait_s: float
+    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end), seconds
+
+
+class PipelineExecutor:
+    """Run `schedule.actions[pp_rank]` with `chunks[c]` = the module of local chunk c."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        pp_rank: int,
+        chunks: Sequence[nn.Module],
+        *,
+        comm: Optional[PipelineComm],
+        activation_shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        store: Optional[ActivationStore] = None,
+        trace: bool = False,
+    ) -> None:
+        if len(chunks) != schedule.num_chunks:
+            raise ValueError(f"schedule has {schedule.num_chunks} chunks per rank but {len(chunks)} modules were built")
+        self.schedule = schedule
+        self.rank = pp_rank
+        self.chunks = list(chunks)
+        self.comm = comm
+        self.activation_shape = tuple(activation_shape)
+        self.dtype = dtype
+        self.device = device
+        self.trace = trace
+        self.store = store or ActivationStore()
+        for module in self.chunks:
+            self.store.exclude(module.parameters())
+            self.store.exclude(module.buffers())
+        self.handlers: dict[Op, Callable[[Action], None]] = {Op.F: self._forward, Op.B: self._backward}
+        self.actions = schedule.actions[pp_rank]
+        unsupported = sorted({a.op.value for a in self.actions} - set(self.handlers) - COMM_OPS)
+        if unsupported:
+            raise ValueError(
+                f"--pipeline-schedule {schedule.name}: this executor cannot run {', '.join(unsupported)} actions yet"
+            )
+        last = schedule.num_stages - 1
+        self._stage = [schedule.stage_of(pp_rank, c) for c in range(schedule.num_chunks)]
+        # Where the neighbouring stages live: (rank, chunk) or None at the ends of the pipeline.
+        self._next = [schedule.location(s + 1) if s < last else None for s in self._stage]
+        self._prev = [schedule.location(s - 1) if s > 0 else None for s in self._stage]
+        self._is_last = [s == last for s in self._stage]
+
+    # The loop ---------------------------------------------------------------------------------------------
+    def run(self, microbatches: Sequence[dict], loss_scale: float) -> StepResult:
+        """Execute the rank's list once. `microbatches[i]` is the batch dict of microbatch i."""
+        if len(microbatches) != self.schedule.num_microbatches:
+            raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {len(microbatches)}")
+        self._microbatches = microbatches
+        self._loss_scale = loss_scale
+        self._inputs: dict[tuple[int, int], object] = {}  # Transfer (received) or leaf tensor (local)
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_outputs: dict[tuple[int, int], object] = {}  # Transfer or tensor
+        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._token_count: Optional[torch.Tensor] = None
+        self._wait_s = 0.0
+        self.store.reset_peak()
+        events: list[tuple[str, float, float]] = []
+        t0 = time.perf_counter()
+
+        actions, i = self.actions, 0
+        while i < len(actions):
+            start = time.perf_counter() - t0 if self.trace else 0.0
+            if actions[i].op in COMM_OPS:
+                j = i
+                while j < len(actions) and actions[j].op in COMM_OPS:
+                    j += 1
+                self._post_batch(actions[i:j])
+                label = " ".join(str(a) for a in actions[i:j])
+                i = j
+            else:
+                self.handlers[actions[i].op](actions[i])
+                label = str(actions[i])
+                i += 1
+            if self.comm is not None:
+                self.comm.poll()
+            if self.trace:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                events.append((label, start, time.perf_counter() - t0))
+        if self.comm is not None:
+            self.comm.drain()
+        leftovers = [name for name, d in (("inputs", self._inputs), ("outputs", self._outputs),
+                                          ("output grads", self._grad_outputs), ("input grads", self._input_grads)) if d]
+        if leftovers:
+            raise RuntimeError(f"rank {self.rank}: step ended with unconsumed {', '.join(leftovers)}")
+        return StepResult(
+            loss_sum=self._loss_sum,
+            token_count=self._token_count,
+            peak_stash_bytes=self.store.peak_bytes,
+            peak_stash_count=self.store.peak_count,
+            comm_wait_s=self._wait_s + (self.comm.wait_s if self.comm is not None else 0.0),
+            events=events,
+        )
+
+    # Compute ----------------------------------------------------------------------------------------------
+    def _take(self, table: dict, key: tuple[int, int]) -> torch.Tensor:
+        item = table.pop(key)
+        if isinstance(item, Transfer):
+            item, waited = item.wait()
+            self._wait_s += waited
+        return item
+
+    def _forward(self, action: Action) -> None:
+        mb, c = action.microbatch, action.chunk
+        key = (mb, c)
+        batch = self._microbatches[mb]
+        x = None
+        if self._prev[c] is not None:
+            x = self._take(self._inputs, key).requires_grad_()
+        with self.store.stash(key):
+            y = self.chunks[c](x, batch)
+            if self._is_last[c]:
+                mask = batch["loss_mask"]
+                masked = (y.float() * mask).sum()
+                loss = masked * self._loss_scale
+        # The input stays referenced by the autograd graph; keep our own handle to read its .grad later.
+        self._outputs[key] = loss if self._is_last[c] else y
+        if x is not None:
+            self._input_grads[key] = x  # replaced by x.grad after the backward
+        if self._is_last[c]:
+            detached = masked.detach()
+            self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+            count = mask.sum().detach()
+            self._token_count = count if self._token_count is None else self._token_count + count
+        elif self._next[c][0] == self.rank:
+            self._inputs[(mb, self._next[c][1])] = y.detach()
+
+    def _backward(self, action: Action) -> None:
+        mb, c = action.microbatch, action.chunk
+        key = (mb, c)
+        out = self._outputs.pop(key)
+        if self._is_last[c]:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, self._take(self._grad_outputs, key))
+        self.store.release(key)
+        if self._prev[c] is not None:
+            grad = self._input_grads.pop(key).grad
+            prev_rank, prev_chunk = self._prev[c]
+            if prev_rank == self.rank:
+                self._grad_outputs[(mb, prev_chunk)] = grad
+            else:
+                self._input_grads[key] = grad
+
+    # Communication ----------------------------------------------------------------------------------------
+    def _post_batch(self, batch: Sequence[Action]) -> None:
+        sends, recvs, slots = [], [], []
+        for a in batch:
+            key = (a.microbatch, a.chunk)
+            if a.op is Op.SEND_F:
+                out = self._outputs[key]
+                # The output's data is only needed by the receiver; free it once the send is done.
+                sends.append((out.detach(), a.peer, lambda out=out: release_storage(out)))
+            elif a.op is Op.SEND_B:
+                sends.append((self._input_grads.pop(key), a.peer, None))
+            else:
+                buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                recvs.append((buf, a.peer))
+                slots.append((self._inputs if a.op is Op.RECV_F else self._grad_outputs, key))
+        if self.comm is None:
+            raise RuntimeError(f"rank {self.rank}: schedule communicates but no pipeline group was given")
+        for (table, key), transfer in zip(slots, self.comm.post(sends, recvs)):
+            table[key] = transfer

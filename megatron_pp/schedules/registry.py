@@ -1,0 +1,124 @@
+"""Schedule registry: `--pipeline-schedule NAME` -> generator (and passes) -> communication -> validation.
+
+A schedule is registered by name with a builder that returns the compute-level lists (a generator, or a
+generator followed by passes such as offload or layered gradient reduction). `build_schedule` adds the
+communication and validates, so everything it returns is runnable. Built-in schedules register at import;
+plugins from outside the package call `register_schedule` the same way before arguments are parsed.
+
+Builder signature: `builder(num_ranks, num_microbatches, **options)`, plus `num_chunks` as the third
+positional argument when the schedule supports virtual stages. Options are the builder's keyword
+arguments, so a misspelt option is an error naming the ones that exist.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
+from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.validate import validate
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    """One registered schedule."""
+
+    name: str
+    builder: Callable[..., Schedule]
+    aliases: tuple[str, ...]
+    supports_virtual: bool
+    """Whether it accepts num_chunks > 1 (from --num-layers-per-virtual-pipeline-stage)."""
+    description: str
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Names of the keyword options the builder accepts."""
+        skip = 3 if self.supports_virtual else 2
+        params = list(inspect.signature(self.builder).parameters.values())[skip:]
+        return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+_ENTRIES: dict[str, ScheduleEntry] = {}
+_LOOKUP: dict[str, str] = {}  # name or alias -> canonical name
+
+
+def register_schedule(name: str, builder: Callable[..., Schedule], *, aliases: tuple[str, ...] = (),
+                      supports_virtual: bool, description: str) -> None:
+    """Make `name` (and `aliases`) available to `build_schedule` and `--pipeline-schedule`."""
+    for key in (name, *aliases):
+        if not isinstance(key, str) or not key or key != key.strip():
+            raise ValueError(f"schedule names must be non-empty strings without surrounding spaces, got {key!r}")
+        if key in _LOOKUP:
+            raise ValueError(f"schedule name {key!r} is already registered (for {_LOOKUP[key]!r})")
+    _ENTRIES[name] = ScheduleEntry(name, builder, tuple(aliases), supports_virtual, description)
+    for key in (name, *aliases):
+        _LOOKUP[key] = name
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove a schedule and its aliases (for plugins that re-register, and for tests)."""
+    entry = get_schedule(name)
+    del _ENTRIES[entry.name]
+    for key in (entry.name, *entry.aliases):
+        del _LOOKUP[key]
+
+
+def get_schedule(name: str) -> ScheduleEntry:
+    """The entry registered under `name` or one of its aliases."""
+    if name not in _LOOKUP:
+        known = ", ".join(list_schedules())
+        raise ValueError(f"unknown --pipeline-schedule {name!r}; known: {known}")
+    return _ENTRIES[_LOOKUP[name]]
+
+
+def list_schedules() -> list[str]:
+    """Every name `--pipeline-schedule` accepts (canonical names and aliases), sorted."""
+    return sorted(_LOOKUP)
+
+
+def registered_schedules() -> list[ScheduleEntry]:
+    """One entry per registered schedule (aliases folded in), sorted by canonical name."""
+    return [_ENTRIES[name] for name in sorted(_ENTRIES)]
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+                   **options: object) -> Schedule:
+    """Generator -> communication pass -> validation. Raises ValueError (ScheduleError for rule breaks)."""
+    entry = get_schedule(name)
+    if num_chunks != 1 and not entry.supports_virtual:
+        raise ValueError(f"pipeline schedule {entry.name!r} has no virtual stages, but {num_chunks} chunks per "
+                         "rank were requested (--num-layers-per-virtual-pipeline-stage); drop that flag or "
+                         "pick a schedule that supports it: "
+                         + ", ".join(e.name for e in registered_schedules() if e.supports_virtual))
+    sizes = (num_ranks, num_microbatches, num_chunks) if entry.supports_virtual else (num_ranks, num_microbatches)
+    try:
+        inspect.signature(entry.builder).bind(*sizes, **options)
+    except TypeError as err:
+        accepted = ", ".join(entry.options) or "none"
+        raise ValueError(f"pipeline schedule {entry.name!r} rejects options {sorted(options)} ({err}); "
+                         f"its options: {accepted}") from None
+    schedule = entry.builder(*sizes, **options)
+    got = (schedule.num_ranks, schedule.num_microbatches, schedule.num_chunks)
+    if got != (num_ranks, num_microbatches, num_chunks):
+        raise ValueError(f"builder of {entry.name!r} returned a schedule for (ranks, microbatches, chunks) = "
+                         f"{got}, asked for {(num_ranks, num_microbatches, num_chunks)}")
+    schedule = insert_communication(dataclasses.replace(schedule, name=entry.name))
+    validate(schedule)
+    return schedule
+
+
+def _interleaved(num_ranks: int, num_microbatches: int, num_chunks: int,
+                 microbatch_group_size: int | None = None) -> Schedule:
+    # Megatron's config name for the group size, so the flag reads the same as there.
+    return interleaved_1f1b(num_ranks, num_microbatches, num_chunks, group_size=microbatch_group_size)
+
+
+register_schedule("gpipe", gpipe, supports_virtual=False,
+                  description="all forwards, then all backwards; m stashes on every rank")
+register_schedule("1f1b", one_f_one_b, aliases=("pipedream-flush",), supports_virtual=False,
+                  description="1F1B with flush (PipeDream-Flush, Megatron default); rank s holds p-s stashes")
+register_schedule("interleaved-1f1b", _interleaved, supports_virtual=True,
+                  description="Megatron's interleaved 1F1B over v chunks per rank; bubble (p-1)/(v*m+p-1)")

@@ -1,0 +1,92 @@
+"""Activation store: where the tensors saved for backward of each (microbatch, chunk) live.
+
+Every chunk-forward runs inside `store.stash(key)`, which installs
+`torch.autograd.graph.saved_tensors_hooks`. Each tensor autograd saves passes through `pack`, which
+attributes its storage to the stash (deduplicated by storage, so views and a tensor saved by several
+ops count once; parameters and buffers never count, they are not per-microbatch memory). In this base
+class tensors stay where they are: the store only measures, which is how real activation memory is
+measured on CPU. Subclasses change where the tensors go (host memory for PipeOffload, a peer rank for
+BPipe) by overriding `pack`/`unpack`, without touching the executor.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Iterator
+
+import torch
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+@dataclass
+class Stash:
+    key: Hashable
+    storages: dict[int, int] = field(default_factory=dict)  # data_ptr -> nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class ActivationStore:
+    """Measure (and, in subclasses, move) the activations saved by each chunk-forward."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded: set[int] = set()
+        self.exclude(exclude)
+        self.live: dict[Hashable, Stash] = {}
+        self._current: Stash | None = None
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_count = 0
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these (parameters, buffers): they are not per-microbatch memory."""
+        for t in tensors:
+            self._excluded.add(t.untyped_storage().data_ptr())
+
+    @contextmanager
+    def stash(self, key: Hashable) -> Iterator[Stash]:
+        """Attribute everything autograd saves inside this block to stash `key`."""
+        if key in self.live:
+            raise RuntimeError(f"stash {key} is already live: a forward ran twice without its backward")
+        stash = Stash(key)
+        self.live[key] = stash
+        self._current = stash
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield stash
+        finally:
+            self._current = None
+        self.peak_count = max(self.peak_count, len(self.live))
+
+    def release(self, key: Hashable) -> None:
+        """The backward of `key` has run: its saved tensors are gone."""
+        stash = self.live.pop(key)
+        self.live_bytes -= stash.nbytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+        self.peak_count = len(self.live)
+
+    @property
+    def live_count(self) -> int:
+        return len(self.live)
+
+    # Hooks: called by autograd ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        stash = self._current
+        if stash is not None:
+            ptr, nbytes = _storage_key(t)
+            if ptr not in self._excluded and ptr not in stash.storages and nbytes > 0:
+                stash.storages[ptr] = nbytes
+                self.live_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return t
+
+    def unpack(self, packed):
+        return packed

@@ -1,0 +1,205 @@
+"""The validator: one function that says whether a schedule (with its communication) can run correctly.
+
+`validate` checks, in this order, so that each check may rely on the previous ones: every action's
+fields are in range and every send or receive talks to the one rank its stage's neighbour lives on;
+both ends of every directed link list the same messages in the same order; each rank's list in
+isolation (one F and one backward per (microbatch, chunk), backward after forward, inputs received or
+computed before use, results sent after they exist, gradients reduced after the last backward, at most
+two live weight versions); and a replay of all ranks under blocking (rendezvous) semantics finishes,
+which together with the previous checks proves every cross-rank data dependency is met. Failures raise
+`ScheduleError` naming the rank, the index in its list and the action.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from megatron_pp.schedules.comm import (Message, RendezvousReplay, expected_peer, forward_neighbours,
+                                        link_of, message_of)
+from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError
+
+__all__ = ["ScheduleError", "validate"]
+
+
+def _error(rank: int, index: int, action: Action | str, reason: str) -> ScheduleError:
+    return ScheduleError(f"rank {rank}, action {index} ({action}): {reason}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError at the first rule `schedule` breaks; return None when it is runnable."""
+    _check_fields(schedule)
+    _check_links(schedule)
+    for rank in range(schedule.num_ranks):
+        _check_rank(schedule, rank)
+    _check_deadlock(schedule)
+
+
+def _check_fields(schedule: Schedule) -> None:
+    m, v, p = schedule.num_microbatches, schedule.num_chunks, schedule.num_ranks
+    for rank, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.microbatch is not None and a.microbatch >= m:
+                raise _error(rank, i, a, f"microbatch {a.microbatch} out of range (m={m})")
+            if a.chunk is not None and a.chunk >= v:
+                raise _error(rank, i, a, f"chunk {a.chunk} out of range ({v} chunks per rank)")
+            if a.peer is not None and not (0 <= a.peer < p and a.peer != rank):
+                raise _error(rank, i, a, f"peer {a.peer} is not another rank of {p}")
+            if a.op in COMM_OPS:
+                peer = expected_peer(schedule, rank, a)
+                if peer is None:
+                    raise _error(rank, i, a, "no message is needed: the neighbouring stage is on this rank "
+                                             "or does not exist")
+                if peer != a.peer:
+                    raise _error(rank, i, a, f"the neighbouring stage lives on rank {peer}, not {a.peer}")
+            if a.op in TRANSFER_OPS:
+                _check_transfer(rank, i, a)
+
+
+def _check_transfer(rank: int, index: int, action: Action) -> None:
+    """Home of the OFFLOAD/RELOAD (PipeOffload) and EVICT/LOAD (BPipe) rules, which arrive with their passes:
+    a stash is parked only between its F and its backward, comes back (RELOAD/LOAD) before that backward,
+    leaves and returns once, and EVICT/LOAD pairs match in order on their link like pipeline messages."""
+    raise _error(rank, index, action, f"{action.op.value} is not supported by the validator yet; add its "
+                                      "pairing rules in validate._check_transfer with the pass that emits it")
+
+
+def _check_rank(schedule: Schedule, rank: int) -> None:
+    acts = schedule.actions[rank]
+    forward_at: dict[tuple[int, int], int] = {}
+    backward_at: dict[tuple[int, int], int] = {}  # B, or BI when split
+    weight_grad_at: dict[tuple[int, int], int] = {}  # BW
+    live: dict[tuple[int, int], int | None] = {}  # stashes between F and B/BW -> their weight version
+    received: dict[tuple[Op, int, int], int] = {}
+    sent: dict[tuple[Op, int, int], int] = {}
+    reduced_at: dict[int, int] = {}
+
+    for i, a in enumerate(acts):
+        key = (a.microbatch, a.chunk)
+        if a.op is Op.F:
+            if key in forward_at:
+                raise _error(rank, i, a, f"second forward of this microbatch and chunk "
+                                         f"(first at action {forward_at[key]})")
+            _check_input(schedule, rank, i, a, Op.RECV_F, received, forward_at)
+            versions = {ver for (_, c), ver in live.items() if c == a.chunk} | {a.version}
+            if len(versions - {None}) > 2:
+                raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted(versions - {None})} "
+                                         "at once; at most 2 may be live")
+            forward_at[key] = i
+            live[key] = a.version
+        elif a.op in (Op.B, Op.BI):
+            if key in backward_at:
+                raise _error(rank, i, a, f"second backward of this microbatch and chunk "
+                                         f"(first at action {backward_at[key]})")
+            if key not in forward_at:
+                raise _error(rank, i, a, f"no stash to consume: F{a.microbatch}.{a.chunk} has not run before it "
+                                         "(stash count would go negative)")
+            if a.version != live[key]:
+                raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
+            _check_input(schedule, rank, i, a, Op.RECV_B, received, backward_at)
+            _check_not_reduced(rank, i, a, reduced_at)
+            backward_at[key] = i
+            if a.op is Op.B:
+                del live[key]
+        elif a.op is Op.BW:
+            if key in weight_grad_at:
+                raise _error(rank, i, a, f"second weight-gradient of this microbatch and chunk "
+                                         f"(first at action {weight_grad_at[key]})")
+            if key not in backward_at or acts[backward_at[key]].op is not Op.BI:
+                raise _error(rank, i, a, f"BW needs BI{a.microbatch}.{a.chunk} before it")
+            if a.version != live[key]:
+                raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
+            _check_not_reduced(rank, i, a, reduced_at)
+            weight_grad_at[key] = i
+            del live[key]
+        elif a.op in SEND_OPS:
+            producers = forward_at if a.op is Op.SEND_F else backward_at
+            if key not in producers:
+                what = "F" if a.op is Op.SEND_F else "B (or BI)"
+                raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
+                                         "which has not run yet")
+            if (a.op, a.microbatch, a.chunk) in sent:
+                raise _error(rank, i, a, f"already sent at action {sent[a.op, a.microbatch, a.chunk]}")
+            sent[a.op, a.microbatch, a.chunk] = i
+        elif a.op in COMM_OPS:
+            if (a.op, a.microbatch, a.chunk) in received:
+                raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
+            received[a.op, a.microbatch, a.chunk] = i
+        elif a.op is Op.REDUCE_GRAD:
+            if a.chunk in reduced_at:
+                raise _error(rank, i, a, f"chunk {a.chunk} already reduced at action {reduced_at[a.chunk]}")
+            reduced_at[a.chunk] = i
+
+    end = len(acts)
+    for mb in range(schedule.num_microbatches):
+        for chunk in range(schedule.num_chunks):
+            key = (mb, chunk)
+            if key not in forward_at:
+                raise _error(rank, end, "end of list", f"F{mb}.{chunk} never runs")
+            f = forward_at[key]
+            if key not in backward_at:
+                raise _error(rank, f, acts[f], f"no backward (B{mb}.{chunk}, or BI and BW) follows")
+            if acts[backward_at[key]].op is Op.BI and key not in weight_grad_at:
+                raise _error(rank, backward_at[key], acts[backward_at[key]], f"BW{mb}.{chunk} never follows")
+            prev_rank, next_rank = forward_neighbours(schedule, rank, chunk)
+            for op, peer, producer in ((Op.SEND_F, next_rank, f), (Op.SEND_B, prev_rank, backward_at[key])):
+                if peer is not None and (op, mb, chunk) not in sent:
+                    raise _error(rank, producer, acts[producer],
+                                 f"its result is never sent to rank {peer} (no {Action(op, mb, chunk, peer)})")
+
+
+def _check_input(schedule: Schedule, rank: int, index: int, action: Action, recv_op: Op,
+                 received: dict[tuple[Op, int, int], int], done: dict[tuple[int, int], int]) -> None:
+    """The input of a forward (activation) or backward (output gradient) must be here before it runs:
+    received from another rank, or produced earlier in this list when the neighbour stage is local."""
+    stage = schedule.stage_of(rank, action.chunk)
+    neighbour = stage - 1 if recv_op is Op.RECV_F else stage + 1
+    if not 0 <= neighbour < schedule.num_stages:
+        return
+    peer, chunk = schedule.location(neighbour)
+    if peer != rank:
+        if (recv_op, action.microbatch, action.chunk) not in received:
+            need = Action(recv_op, action.microbatch, action.chunk, peer)
+            raise _error(rank, index, action, f"needs {need} before it")
+    elif (action.microbatch, chunk) not in done:
+        kind = "F" if recv_op is Op.RECV_F else "B"
+        raise _error(rank, index, action,
+                     f"needs {kind}{action.microbatch}.{chunk} (stage {neighbour}, same rank) before it")
+
+
+def _check_not_reduced(rank: int, index: int, action: Action, reduced_at: dict[int, int]) -> None:
+    if action.chunk in reduced_at:
+        raise _error(rank, index, action, f"gradients of chunk {action.chunk} were already reduced at action "
+                                          f"{reduced_at[action.chunk]}, before this backward")
+
+
+def _check_links(schedule: Schedule) -> None:
+    sends: dict[tuple[int, int], list[tuple[int, int, Action, Message]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[int, int, Action, Message]]] = defaultdict(list)
+    for rank, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.op in COMM_OPS:
+                side = sends if a.op in SEND_OPS else recvs
+                side[link_of(rank, a)].append((rank, i, a, message_of(schedule, rank, a)))
+    for link in sorted(set(sends) | set(recvs)):
+        out, into = sends.get(link, []), recvs.get(link, [])
+        for k, (sender, receiver) in enumerate(zip(out, into)):
+            if sender[3] != receiver[3]:
+                rank, i, a, _ = receiver
+                raise _error(rank, i, a, f"message #{k} on link {link[0]}->{link[1]} is received here but rank "
+                                         f"{sender[0]} sends {sender[2]} (action {sender[1]}) as message #{k}")
+        if len(into) > len(out):
+            rank, i, a, _ = into[len(out)]
+            raise _error(rank, i, a, f"no matching send: rank {link[0]} sends only {len(out)} messages "
+                                     f"to rank {link[1]}")
+        if len(out) > len(into):
+            rank, i, a, _ = out[len(into)]
+            raise _error(rank, i, a, f"no matching receive: rank {link[1]} receives only {len(into)} messages "
+                                     f"from rank {link[0]}")
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    blocked = RendezvousReplay([list(acts) for acts in schedule.actions]).run()
+    if blocked:
+        first = blocked[0]
+        index, action = first.waiting[0]
+        raise _error(first.rank, index, action, "deadlock under blocking send/receive: "
+                     + "; ".join(b.describe() for b in blocked))

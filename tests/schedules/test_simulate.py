@@ -1,0 +1,112 @@
+"""The simulator against the closed forms of SCHEDULES.md §1 and against hand-timed small cases."""
+import pytest
+
+from megatron_pp.schedules.generators import looped_placement
+from megatron_pp.schedules.ir import Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.registry import build_schedule
+from megatron_pp.schedules.simulate import CostModel, simulate
+
+GRID_P = (1, 2, 3, 4, 5, 8)
+GRID_M = tuple(range(1, 17))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_flush_schedules_match_closed_forms(name):
+    for p in GRID_P:
+        for m in GRID_M:
+            result = simulate(build_schedule(name, p, m))
+            # Uniform stages, F=1, B=2: m+p-1 slots of F+B each.
+            assert result.makespan == pytest.approx(3 * (m + p - 1), abs=1e-9)
+            assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+            assert result.busy == [3.0 * m] * p
+            expected_peak = [m] * p if name == "gpipe" else [min(p - s, m) for s in range(p)]
+            assert result.peak_stash == expected_peak, (p, m)
+
+
+@pytest.mark.parametrize("forward, backward", [(1.0, 1.0), (2.0, 3.0), (0.5, 1.5)])
+def test_one_f_one_b_bubble_holds_for_any_uniform_costs(forward, backward):
+    for p, m in [(4, 8), (3, 2), (6, 13)]:
+        result = simulate(build_schedule("1f1b", p, m), CostModel(forward=forward, backward=backward))
+        assert result.makespan == pytest.approx((m + p - 1) * (forward + backward), abs=1e-9)
+        assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+
+
+def test_interleaved_matches_closed_forms():
+    checked = 0
+    for p in GRID_P:
+        for v in (2, 3, 4):
+            for m in GRID_M:
+                try:
+                    schedule = build_schedule("interleaved-1f1b", p, m, v)
+                except ValueError:
+                    continue  # a short last group that deadlocks; covered in test_generators
+                result = simulate(schedule)
+                # Peak = warm-up forwards + the first steady forward, capped by all m*v chunk-forwards.
+                assert result.peak_stash == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+                if m % p == 0:
+                    assert result.makespan == pytest.approx(3 * (v * m + p - 1), abs=1e-9)
+                    assert result.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-9)
+                    # SCHEDULES.md §1: rank 0 holds v*p + p - 1 chunk stashes (all v*m of them if m = p).
+                    assert result.peak_stash[0] == (v * p + p - 1 if m > p else v * m)
+                    checked += 1
+    assert checked == 114  # every (p, v, m) of the grid with m a multiple of p
+
+
+def test_p2p_latency_delays_every_crossing():
+    result = simulate(build_schedule("1f1b", 2, 1), CostModel(p2p_latency=0.5))
+    assert result.makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+    recv = [(str(a), s, e) for a, s, e in result.timeline[1] if a.op is Op.RECV_F]
+    assert recv == [("RECV_F0.0<0", 0.0, 1.5)]
+
+
+def test_stage_weights_scale_durations_and_memory_follows():
+    result = simulate(build_schedule("gpipe", 2, 1), CostModel(stage_weights=[1, 3]))
+    assert result.makespan == pytest.approx(1 + 3 + 6 + 2)
+    assert result.busy == [3.0, 9.0]
+    assert result.memory == [[(0.0, 0), (0.0, 1), (12.0, 0)], [(0.0, 0), (1.0, 1), (10.0, 0)]]
+    timeline = [(str(a), s, e) for a, s, e in result.timeline[0]]
+    assert timeline == [("F0.0", 0.0, 1.0), ("SEND_F0.0>1", 1.0, 1.0), ("RECV_B0.0<1", 1.0, 10.0), ("B0.0", 10.0, 12.0)]
+
+
+def test_measured_costs_as_table_or_function():
+    schedule = build_schedule("gpipe", 2, 1)
+    assert simulate(schedule, CostModel(measured={(Op.F, 1): 5.0})).makespan == pytest.approx(1 + 5 + 2 + 2)
+    assert simulate(schedule, CostModel(measured=lambda op, stage: 1.0 + stage)).makespan == pytest.approx(
+        1 + 2 + 2 + 1)
+
+
+def _single(text: str, m: int = 1) -> Schedule:
+    return Schedule("hand", 1, m, 1, looped_placement(1, 1), [[Action.parse(t) for t in text.split()]])
+
+
+def test_split_backward_frees_the_stash_at_the_end_of_bw():
+    result = simulate(_single("F0.0 F1.0 BI0.0 BW0.0 BI1.0 BW1.0", 2))
+    assert result.memory == [[(0.0, 0), (0.0, 1), (1.0, 2), (4.0, 1), (6.0, 0)]]
+    assert result.peak_stash == [2] and result.busy == [6.0] and result.bubble_fraction == 0.0
+
+
+def test_bookkeeping_actions_take_no_time():
+    result = simulate(_single("F0.0 B0.0 REDUCE_GRAD.0 STEP"))
+    assert [(str(a), s, e) for a, s, e in result.timeline[0]][2:] == [("REDUCE_GRAD.0", 3.0, 3.0), ("STEP", 3.0, 3.0)]
+    assert result.makespan == 3.0
+
+
+def test_unsupported_and_stuck_schedules_raise():
+    with pytest.raises(ScheduleError, match=r"rank 0, action 1 \(OFFLOAD0.0\): the simulator has no model"):
+        simulate(_single("F0.0 OFFLOAD0.0 RELOAD0.0 B0.0"))
+    stuck = Schedule("hand", 2, 1, 1, looped_placement(2, 1),
+                     [[Action.parse(t) for t in "F0.0 B0.0".split()],
+                      [Action.parse(t) for t in "RECV_F0.0<0 F0.0 B0.0".split()]])
+    with pytest.raises(ScheduleError, match=r"cannot proceed; waiting at rank 1, action 0 \(RECV_F0.0<0\)"):
+        simulate(stuck)
+
+
+def test_cost_model_rejects_bad_values():
+    with pytest.raises(ValueError, match="CostModel.backward must be >= 0"):
+        CostModel(backward=-1)
+    with pytest.raises(ValueError, match="stage_weights must be >= 0"):
+        CostModel(stage_weights=[1, -1])
+    with pytest.raises(ValueError, match="has 3 entries, schedule '1f1b' has 2 stages"):
+        simulate(build_schedule("1f1b", 2, 2), CostModel(stage_weights=[1, 1, 1]))
+    with pytest.raises(ValueError, match="negative duration -1.0 for F on stage 0"):
+        simulate(build_schedule("1f1b", 2, 2), CostModel(measured=lambda op, stage: -1.0))

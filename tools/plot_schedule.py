@@ -1,0 +1,197 @@
+"""Draw a registered pipeline schedule: the simulated timeline of every rank and its stash curve.
+
+    python tools/plot_schedule.py --schedule interleaved-1f1b --pp 4 --microbatches 8 --chunks 2 \\
+        --out docs/img/schedule_interleaved.png --json schedule.json
+
+The schedule is built exactly as training builds it (generator, communication pass, validation), then
+timed by the simulator. The top panel has one row per rank with a box per compute action, coloured by
+microbatch (backwards lighter and hatched), so bubbles show as empty space; the bottom panel shows how
+many (microbatch, chunk) stashes each rank holds over time. `--json` writes the validated action lists
+in text form with makespan, bubble fraction, peak stashes and the options. Bad input prints one line on
+stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+# Runnable as `python tools/plot_schedule.py` from a checkout without installing the package.
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from megatron_pp.schedules.ir import Op, Schedule  # noqa: E402
+from megatron_pp.schedules.registry import build_schedule, registered_schedules  # noqa: E402
+from megatron_pp.schedules.simulate import CostModel, SimResult, simulate  # noqa: E402
+
+_PROG = "plot_schedule.py"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print the whole usage; one line is enough
+        raise _UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    known = " | ".join(f"{e.name}: {e.description}" for e in registered_schedules())
+    parser = _Parser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedule", "--pipeline-schedule", dest="schedule", required=True,
+                        help=f"registered schedule name or alias ({known})")
+    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks p")
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step m")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank v (default 1)")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="schedule option, repeatable (e.g. microbatch_group_size=4); VALUE is read as JSON "
+                             "when it parses, else as a string")
+    parser.add_argument("--forward-time", type=float, default=CostModel.forward, help="F per chunk (default 1)")
+    parser.add_argument("--backward-time", type=float, default=CostModel.backward, help="B per chunk (default 2)")
+    parser.add_argument("--p2p-latency", type=float, default=CostModel.p2p_latency, help="send latency (default 0)")
+    parser.add_argument("--stage-weights", default=None, metavar="W0,W1,...",
+                        help="per global stage multiplier of compute times (e.g. layers per stage)")
+    parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument("--json", default=None, help="also write the lists and results to this JSON file")
+    return parser
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, object]:
+    options: dict[str, object] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise _UsageError(f"--option expects NAME=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        options[name.replace("-", "_")] = value
+    return options
+
+
+def _parse_weights(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(w) for w in text.split(",")]
+    except ValueError:
+        raise _UsageError(f"--stage-weights expects comma-separated numbers, got {text!r}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        options = _parse_options(args.option)
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks, **options)
+        costs = CostModel(forward=args.forward_time, backward=args.backward_time, p2p_latency=args.p2p_latency,
+                          stage_weights=_parse_weights(args.stage_weights))
+        result = simulate(schedule, costs)
+        draw(schedule, result, args.out)
+        if args.json:
+            record = to_json(schedule, result, costs)
+            # One key per line and one line per rank's list, so two runs diff action by action.
+            lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in record.items() if key != "actions"]
+            lines.append(' "actions": [\n  ' + ",\n  ".join(json.dumps(acts) for acts in record["actions"]) + "\n ]")
+            Path(args.json).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    except (_UsageError, ValueError, OSError) as err:
+        print(f"{_PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def to_json(schedule: Schedule, result: SimResult, costs: CostModel) -> dict:
+    return {
+        "schedule": schedule.name,
+        "num_ranks": schedule.num_ranks,
+        "num_microbatches": schedule.num_microbatches,
+        "num_chunks": schedule.num_chunks,
+        "options": schedule.options,
+        "placement": [list(loc) for loc in schedule.placement],
+        "costs": {"forward": costs.forward, "backward": costs.backward, "p2p_latency": costs.p2p_latency,
+                  "stage_weights": None if costs.stage_weights is None else list(costs.stage_weights)},
+        "actions": [[str(a) for a in acts] for acts in schedule.actions],
+        "makespan": result.makespan,
+        "bubble_fraction": result.bubble_fraction,
+        "busy": result.busy,
+        "peak_stash": result.peak_stash,
+    }
+
+
+_HATCH = {Op.F: None, Op.B: "///", Op.BI: "\\\\\\", Op.BW: "xxx"}
+_LIGHTEN = {Op.F: 0.0, Op.B: 0.45, Op.BI: 0.45, Op.BW: 0.65}
+
+
+def draw(schedule: Schedule, result: SimResult, path: str) -> None:
+    """Write the timeline and stash curves of `result` as a PNG."""
+    # Imported here so that bad command lines fail fast without loading matplotlib.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+
+    p, m = schedule.num_ranks, schedule.num_microbatches
+    span = result.makespan if result.makespan > 0 else 1.0
+    width = min(30.0, max(9.0, 0.32 * span + 2.5))
+    fig, (ax_time, ax_mem) = plt.subplots(
+        2, 1, figsize=(width, 1.6 + 0.55 * p + 2.4), sharex=True,
+        gridspec_kw={"height_ratios": [max(p, 2), 2.2]})
+    palette = plt.get_cmap("tab10" if m <= 10 else "tab20")
+
+    def colour(op: Op, microbatch: int) -> tuple[float, float, float]:
+        base = to_rgb(palette(microbatch % palette.N))
+        mix = _LIGHTEN[op]
+        return tuple(c + (1.0 - c) * mix for c in base)
+
+    fig.canvas.draw()  # fixes the axes geometry so label widths can be measured in pixels
+    px_per_unit = ax_time.get_window_extent().width / span
+    font = 7
+    seen_ops: set[Op] = set()
+    for rank, entries in enumerate(result.timeline):
+        for action, start, end in entries:
+            if not action.is_compute or end <= start:
+                continue
+            seen_ops.add(action.op)
+            ax_time.broken_barh([(start, end - start)], (rank - 0.4, 0.8),
+                                facecolors=[colour(action.op, action.microbatch)], edgecolor="black",
+                                linewidth=0.4, hatch=_HATCH[action.op])
+            label = str(action)
+            if (end - start) * px_per_unit > 0.62 * font * len(label) + 4:
+                ax_time.text((start + end) / 2, rank, label, ha="center", va="center", fontsize=font,
+                             bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.4, "linewidth": 0}
+                             if action.op is not Op.F else None)
+    ax_time.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax_time.set_ylim(p - 0.5, -0.5)
+    ax_time.set_xlim(0, span)
+    ax_time.legend(handles=[Patch(facecolor=colour(op, 0), edgecolor="black", hatch=_HATCH[op], label=op.value)
+                            for op in (Op.F, Op.B, Op.BI, Op.BW) if op in seen_ops],
+                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="colour = microbatch",
+                   title_fontsize=7)
+    options = ", ".join(f"{k}={v}" for k, v in schedule.options.items())
+    ax_time.set_title(f"{schedule.name}: p={p}, m={m}, v={schedule.num_chunks}{', ' + options if options else ''}"
+                      f" | makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}", fontsize=10)
+
+    for rank, curve in enumerate(result.memory):
+        # A B ending when the next F starts gives two points at one time; draw only the level after both.
+        level_at = dict(curve)
+        times = list(level_at) + [span]
+        levels = list(level_at.values()) + [curve[-1][1]]
+        ax_mem.step(times, levels, where="post", label=f"rank {rank} (peak {result.peak_stash[rank]})")
+    ax_mem.set_ylabel("resident stashes")
+    ax_mem.set_xlabel("time (cost-model units; default F = 1, B = 2 per chunk)")
+    ax_mem.set_ylim(bottom=0)
+    ax_mem.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax_mem.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
