@@ -20,6 +20,7 @@ import typing
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_pp.core.parallel_state import read_launch_env
 from megatron_pp.models.config import TransformerConfig, flag
@@ -164,7 +165,8 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     known = list_schedules()
     if args.pipeline_schedule not in known:
         errors.append(f"unknown --pipeline-schedule {args.pipeline_schedule!r}; known: {', '.join(known)}")
-    world = read_launch_env().world_size
+    # An embedding program (tests, notebooks) may have initialised the world already; else the launcher says.
+    world = dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
     if tp >= 1 and pp >= 1:
         if world % (tp * pp) != 0:
             errors.append(

@@ -119,6 +119,7 @@ WORLD4 = [
     ("gpt-tiny", 4, 1, 2, "1f1b", 2, 1, False),  # dp = 2
     ("llama-tiny", 8, 1, 2, "interleaved-1f1b", 2, 2, False),  # dp = 2
     ("gpt-tiny", 4, 1, 2, "gpipe", 3, 1, False),  # dp = 2
+    ("llama-tiny", 4, 2, 2, "gpipe", 2, 1, True),
 ]
 
 _REF_CACHE: dict = {}
