@@ -106,23 +106,20 @@ class PipelineExecutor:
         actions, i = self.actions, 0
         while i < len(actions):
             start = time.perf_counter() - t0 if self.trace else 0.0
+            first = i
             if actions[i].op in COMM_OPS:
-                j = i
-                while j < len(actions) and actions[j].op in COMM_OPS:
-                    j += 1
-                self._post_batch(actions[i:j])
-                label = " ".join(str(a) for a in actions[i:j])
-                i = j
+                while i < len(actions) and actions[i].op in COMM_OPS:
+                    i += 1
+                self._post_batch(actions[first:i])
             else:
                 self.handlers[actions[i].op](actions[i])
-                label = str(actions[i])
                 i += 1
             if self.comm is not None:
                 self.comm.poll()
             if self.trace:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                events.append((label, start, time.perf_counter() - t0))
+                events.append((" ".join(map(str, actions[first:i])), start, time.perf_counter() - t0))
         if self.comm is not None:
             self.comm.drain()
         leftovers = [name for name, d in (("inputs", self._inputs), ("outputs", self._outputs),
