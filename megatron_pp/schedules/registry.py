@@ -8,6 +8,11 @@ plugins from outside the package call `register_schedule` the same way before ar
 Builder signature: `builder(num_ranks, num_microbatches, **options)`, plus `num_chunks` as the third
 positional argument when the schedule supports virtual stages. Options are the builder's keyword
 arguments, so a misspelt option is an error naming the ones that exist.
+
+Command-line flags for options are declared once with `register_option(name, flag, type, help)`; the
+argument parser generates a flag for every registered option and `options_from_args` hands a schedule
+exactly the options it accepts, rejecting a given flag that does not apply to the chosen schedule. A new
+schedule therefore never edits the argument parser.
 """
 from __future__ import annotations
 
@@ -41,6 +46,17 @@ class ScheduleEntry:
         return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
+@dataclass(frozen=True)
+class ScheduleOption:
+    """A builder keyword exposed as a command-line flag (shared by every schedule that accepts it)."""
+
+    name: str
+    flag: str
+    type: type
+    help: str
+
+
+_OPTIONS: dict[str, ScheduleOption] = {}
 _ENTRIES: dict[str, ScheduleEntry] = {}
 _LOOKUP: dict[str, str] = {}  # name or alias -> canonical name
 
@@ -84,6 +100,33 @@ def registered_schedules() -> list[ScheduleEntry]:
     return [_ENTRIES[name] for name in sorted(_ENTRIES)]
 
 
+def register_option(name: str, flag: str, type: type, help: str) -> None:
+    """Declare the flag of builder keyword `name` (idempotent for an identical declaration)."""
+    option = ScheduleOption(name, flag, type, help)
+    if _OPTIONS.get(name, option) != option:
+        raise ValueError(f"schedule option {name!r} is already registered as {_OPTIONS[name].flag}")
+    _OPTIONS[name] = option
+
+
+def schedule_options() -> list[ScheduleOption]:
+    """Every registered schedule option, sorted by flag."""
+    return sorted(_OPTIONS.values(), key=lambda o: o.flag)
+
+
+def options_from_args(args: object, name: str) -> dict:
+    """The options given on the command line (attributes that are not None) for schedule `name`.
+
+    Raises ValueError naming the flag when a given option does not apply to that schedule.
+    """
+    entry = get_schedule(name)
+    given = {o.name: getattr(args, o.name) for o in _OPTIONS.values() if getattr(args, o.name, None) is not None}
+    for key in given:
+        if key not in entry.options:
+            raise ValueError(f"{_OPTIONS[key].flag} does not apply to --pipeline-schedule {name} "
+                             f"(its options: {', '.join(_OPTIONS[o].flag for o in entry.options if o in _OPTIONS) or 'none'})")
+    return given
+
+
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
                    **options: object) -> Schedule:
     """Generator -> communication pass -> validation. Raises ValueError (ScheduleError for rule breaks)."""
@@ -116,6 +159,8 @@ def _interleaved(num_ranks: int, num_microbatches: int, num_chunks: int,
     return interleaved_1f1b(num_ranks, num_microbatches, num_chunks, group_size=microbatch_group_size)
 
 
+register_option("microbatch_group_size", "--microbatch-group-size-per-vp-stage", int,
+                "Interleaved 1F1B: microbatches per chunk group (default pp, depth-first; m gives breadth-first).")
 register_schedule("gpipe", gpipe, supports_virtual=False,
                   description="all forwards, then all backwards; m stashes on every rank")
 register_schedule("1f1b", one_f_one_b, aliases=("pipedream-flush",), supports_virtual=False,

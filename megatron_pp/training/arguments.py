@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_pp.core.parallel_state import read_launch_env
 from megatron_pp.models.config import TransformerConfig, flag
+from megatron_pp.schedules.registry import schedule_options
 
 # Fields that are not set by their own generated flag (Megatron spells them differently, or they are
 # derived from precision flags).
@@ -85,8 +86,8 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     par.add_argument("--pipeline-schedule", default="1f1b", help="Pipeline schedule by name (see docs/schedules.md).")
-    par.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None,
-                     help="Interleaved 1F1B: microbatches per chunk group (default pp: depth-first).")
+    for option in schedule_options():  # declared by the schedules themselves (registry.register_option)
+        par.add_argument(option.flag, dest=option.name, type=option.type, default=None, help=option.help)
     par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                      help="Default: nccl on CUDA, gloo on CPU.")
 
@@ -143,7 +144,7 @@ def model_config_from_args(args: argparse.Namespace) -> TransformerConfig:
 def validate_args(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, one line each (empty list: fine). Pure: touches nothing."""
     from megatron_pp.models.layout import split_layers
-    from megatron_pp.schedules.registry import list_schedules
+    from megatron_pp.schedules.registry import list_schedules, options_from_args
 
     errors: list[str] = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -165,6 +166,11 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     known = list_schedules()
     if args.pipeline_schedule not in known:
         errors.append(f"unknown --pipeline-schedule {args.pipeline_schedule!r}; known: {', '.join(known)}")
+    else:
+        try:
+            options_from_args(args, args.pipeline_schedule)
+        except ValueError as exc:
+            errors.append(str(exc))
     # An embedding program (tests, notebooks) may have initialised the world already; else the launcher says.
     world = dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
     if tp >= 1 and pp >= 1:

@@ -28,7 +28,7 @@ from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import split_layers
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
 from megatron_pp.schedules.ir import Schedule
-from megatron_pp.schedules.registry import build_schedule
+from megatron_pp.schedules.registry import build_schedule, options_from_args
 from megatron_pp.training.arguments import model_config_from_args, num_chunks, parse_args
 from megatron_pp.training.model import build_model_chunks
 from megatron_pp.training.optimizer import MixedPrecisionOptimizer, learning_rate
@@ -135,9 +135,7 @@ def pretrain(args: argparse.Namespace) -> list[dict]:
     config = model_config_from_args(args)
     global_batch = args.global_batch_size or args.micro_batch_size * state.dp_size
     data = MockData(args.seed, config.seq_length, config.vocab_size, args.micro_batch_size, global_batch, state.dp_size)
-    options = {}
-    if args.microbatch_group_size_per_vp_stage is not None:
-        options["microbatch_group_size"] = args.microbatch_group_size_per_vp_stage
+    options = options_from_args(args, args.pipeline_schedule)
     schedule = build_schedule(args.pipeline_schedule, state.pp_size, data.num_microbatches, num_chunks(args, config), **options)
     pipe = build_pipeline(
         config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,

@@ -91,6 +91,8 @@ BAD = [
     (["--sequence-parallel"], "--sequence-parallel needs"),
     (["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3"),
     (["--pipeline-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", "0"], "must be >= 1"),
+    (["--pipeline-schedule", "1f1b", "--microbatch-group-size-per-vp-stage", "4"],
+     "--microbatch-group-size-per-vp-stage does not apply to --pipeline-schedule 1f1b"),
 ]
 
 
