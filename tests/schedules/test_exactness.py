@@ -46,7 +46,7 @@ def reference(preset: str, num_layers: int, global_batch: int):
     for batch in batches:
         loss = (model(None, batch).float() * batch["loss_mask"]).sum() / tokens
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
