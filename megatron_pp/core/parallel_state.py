@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -269,6 +270,25 @@ def read_launch_env(environ: Optional[dict] = None, default_port: int = 29500) -
     return LaunchEnv(0, 1, 0, "127.0.0.1", default_port, "single")
 
 
+def write_pid_file(launch: LaunchEnv, environ: Optional[dict] = None) -> Optional[str]:
+    """Record this process's PID as `$MEGATRON_PP_PID_DIR/<host>.<local rank>.pid` when that is set.
+
+    The SLURM batch script signals training processes through these files on preemption: neither
+    srun's relaying of USR1 nor a torchrun agent (which dies on USR1) can be relied on to reach them.
+    """
+    env = os.environ if environ is None else environ
+    directory = env.get("MEGATRON_PP_PID_DIR")
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{socket.gethostname()}.{launch.local_rank}.pid")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+    return path
+
+
 def init_distributed(
     backend: Optional[str] = None, timeout_s: float = 600.0, environ: Optional[dict] = None
 ) -> LaunchEnv:
@@ -278,6 +298,7 @@ def init_distributed(
     works and pays nothing). `backend` defaults to nccl when CUDA is available, else gloo.
     """
     launch = read_launch_env(environ)
+    write_pid_file(launch, environ)
     if launch.world_size == 1 and launch.source == "single":
         return launch
     if dist.is_initialized():

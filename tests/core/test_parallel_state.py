@@ -95,3 +95,16 @@ def test_groups_on_gloo(tp, pp):
             expected = [g for g in groups if rank in g]
             assert members[name] == (expected[0] if expected else None), (rank, name)
         assert pp_ranks == [g for g in layout.pp_groups() if rank in g][0]
+
+
+def test_pid_file_for_the_slurm_signal_forwarder(tmp_path):
+    import os
+    import socket
+
+    from megatron_pp.core.parallel_state import LaunchEnv, write_pid_file
+
+    launch = LaunchEnv(rank=5, world_size=8, local_rank=1, master_addr="h", master_port=1, source="slurm")
+    assert write_pid_file(launch, {}) is None
+    path = write_pid_file(launch, {"MEGATRON_PP_PID_DIR": str(tmp_path / "pids")})
+    assert path == str(tmp_path / "pids" / f"{socket.gethostname()}.1.pid")
+    assert open(path).read().strip() == str(os.getpid())
