@@ -25,6 +25,7 @@ setup(
         "tensorboard",
         "matplotlib",
         "tqdm",
+        "zstandard",
     ],
     extras_require={
         "gpu": ["flash-attn"],
