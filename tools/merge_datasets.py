@@ -20,22 +20,14 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
 from megatron_pp.data.indexed import data_file_paths, merge_datasets  # noqa: E402
 
 _PROG = "merge_datasets.py"
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print the whole usage; one line is enough
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True,
                         help="dataset prefixes, or directories whose .bin/.idx pairs are merged in sorted order")
     parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
@@ -50,12 +42,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             found = sorted(os.path.join(item, name[:-4]) for name in os.listdir(item)
                            if name.endswith(".idx") and os.path.isfile(os.path.join(item, name[:-4] + ".bin")))
             if not found:
-                raise _UsageError(f"--input {item}: directory holds no .bin/.idx pairs")
+                raise UsageError(f"--input {item}: directory holds no .bin/.idx pairs")
             prefixes += found
         else:
             missing = [p for p in data_file_paths(item) if not os.path.isfile(p)]
             if missing:
-                raise _UsageError(f"--input {item}: {missing[0]}: no such file")
+                raise UsageError(f"--input {item}: {missing[0]}: no such file")
             prefixes.append(item)
     return prefixes
 
@@ -64,7 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         merged = merge_datasets(expand_inputs(args.input), args.output_prefix)
-    except (_UsageError, ValueError, OSError) as exc:
+    except (UsageError, ValueError, OSError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
     print(f"{args.output_prefix}.bin/.idx: {merged.num_documents} documents, {merged.num_tokens} tokens "

@@ -23,6 +23,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
 from megatron_pp.schedules.ir import Op, Schedule  # noqa: E402
 from megatron_pp.schedules.registry import build_schedule, registered_schedules  # noqa: E402
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate  # noqa: E402
@@ -30,18 +31,9 @@ from megatron_pp.schedules.simulate import CostModel, SimResult, simulate  # noq
 _PROG = "plot_schedule.py"
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print the whole usage; one line is enough
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     known = " | ".join(f"{e.name}: {e.description}" for e in registered_schedules())
-    parser = _Parser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", "--pipeline-schedule", dest="schedule", required=True,
                         help=f"registered schedule name or alias ({known})")
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks p")
@@ -65,7 +57,7 @@ def _parse_options(items: Sequence[str]) -> dict[str, object]:
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name:
-            raise _UsageError(f"--option expects NAME=VALUE, got {item!r}")
+            raise UsageError(f"--option expects NAME=VALUE, got {item!r}")
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -80,7 +72,7 @@ def _parse_weights(text: str | None) -> list[float] | None:
     try:
         return [float(w) for w in text.split(",")]
     except ValueError:
-        raise _UsageError(f"--stage-weights expects comma-separated numbers, got {text!r}") from None
+        raise UsageError(f"--stage-weights expects comma-separated numbers, got {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in record.items() if key != "actions"]
             lines.append(' "actions": [\n  ' + ",\n  ".join(json.dumps(acts) for acts in record["actions"]) + "\n ]")
             Path(args.json).write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    except (_UsageError, ValueError, OSError) as err:
+    except (UsageError, ValueError, OSError) as err:
         print(f"{_PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0

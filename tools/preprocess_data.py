@@ -22,6 +22,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
 from megatron_pp.data.builder import BadLine, preprocess_jsonl  # noqa: E402
 from megatron_pp.data.tokenizers import TOKENIZER_TYPES, check_tokenizer_args  # noqa: E402
 
@@ -29,17 +30,8 @@ _PROG = "preprocess_data.py"
 _BAD_LINES_SHOWN = 20
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print the whole usage; one line is enough
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="JSON-lines corpus (.jsonl, .jsonl.gz or .jsonl.zst)")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="keys to tokenize; one output dataset per key (default: text)")
@@ -80,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         errors = _input_errors(args)
         if errors:
-            raise _UsageError(errors[0])
+            raise UsageError(errors[0])
         shown = 0
 
         def report(bad: BadLine) -> None:
@@ -99,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BadLine as exc:
         print(f"{_PROG}: error: {exc}; pass --skip-bad-lines to skip such lines", file=sys.stderr)
         return 2
-    except (_UsageError, ValueError, OSError) as exc:
+    except (UsageError, ValueError, OSError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
     for key, prefix in result.outputs.items():

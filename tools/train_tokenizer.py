@@ -22,6 +22,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
 from megatron_pp.data.builder import BadLine, iter_corpus_texts  # noqa: E402
 from megatron_pp.data.tokenizers import describe_tokenizer_files, train_bpe, train_sentencepiece  # noqa: E402
 
@@ -30,17 +31,8 @@ _BAD_LINES_SHOWN = 20
 _TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print the whole usage; one line is enough
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="JSON-lines files (.jsonl, .jsonl.gz, .jsonl.zst)")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="keys whose text is trained on (default: text)")
@@ -56,12 +48,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         missing = [path for path in args.input if not os.path.isfile(path)]
         if missing:
-            raise _UsageError(f"--input {missing[0]}: no such file")
+            raise UsageError(f"--input {missing[0]}: no such file")
         if args.tokenizer_type not in _TYPES:
-            raise _UsageError(f"--tokenizer-type {args.tokenizer_type!r} cannot be trained here; "
+            raise UsageError(f"--tokenizer-type {args.tokenizer_type!r} cannot be trained here; "
                               f"one of {', '.join(_TYPES)}")
         if args.vocab_size < 1:
-            raise _UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+            raise UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
         skipped = []
         texts = iter_corpus_texts(args.input, args.json_keys, skip_bad_lines=args.skip_bad_lines,
                                   on_bad_line=skipped.append)
@@ -70,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BadLine as exc:
         print(f"{_PROG}: error: {exc}; pass --skip-bad-lines to skip such lines", file=sys.stderr)
         return 2
-    except (_UsageError, ValueError, OSError) as exc:
+    except (UsageError, ValueError, OSError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
     for bad in skipped[:_BAD_LINES_SHOWN]:
