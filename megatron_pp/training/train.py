@@ -1,10 +1,24 @@
-"""The pretraining loop: arguments → parallel state → schedule → model chunks → steps → metrics.
+"""The pretraining loop: arguments → parallel state → data → schedule → model chunks → steps → metrics.
 
-One step: the rank's microbatches of the global batch go through the pipeline executor (which runs the
-validated action list of the chosen schedule), then gradients are finalised (sequence-parallel, tied
+`pretrain(args)` reads top to bottom: seed, build the data and the model config, the schedule and this
+rank's model chunks, the optimizer; resume from `--load` if there is a checkpoint; then iterate. One
+iteration: the rank's microbatches of the global batch go through the pipeline executor (which runs the
+validated action list of the chosen schedule), gradients are finalised (sequence-parallel, tied
 embedding and data-parallel reductions), the global gradient norm is computed and clipped, the
-optimizer steps and the learning rate advances. Rank 0 prints a Megatron-style line and, with
-`--metrics-file`, appends one JSON object per iteration.
+optimizer steps with the iteration's learning rate, and the logging rank writes a metrics row.
+After an iteration come, when due, a validation pass (`--eval-interval`), a checkpoint
+(`--save-interval`) and the early-exit check (signals, `--exit-interval`, `--exit-duration-in-mins`),
+which saves before stopping. The run also saves when training completes.
+
+Data positions are *sample indices*: the global batch of an iteration covers samples
+[consumed, consumed + B), and microbatch j of data-parallel replica d holds consumed + j·b·dp + d·b +
+[0, b) (Megatron's layout). A checkpoint stores `consumed`, so a resumed run reads exactly the samples
+the uninterrupted run would have read.
+
+Validation runs the schedule's own forward actions only (F, SEND_F, RECV_F, in the list's order) under
+`torch.no_grad()`, with dropout off and the random generators put back afterwards, so evaluating never
+changes the training trajectory. Removing actions from a deadlock-free list keeps it deadlock-free:
+every wait that remains was already ordered the same way in the full list.
 """
 from __future__ import annotations
 
@@ -12,26 +26,49 @@ import argparse
 import json
 import math
 import os
+import random
+import sys
 import time
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron_pp.core.grads import clip_gradients, finalize_gradients, global_grad_norm, unique_parameters
-from megatron_pp.core.p2p import PipelineComm
+from megatron_pp.core.p2p import PipelineComm, Transfer
 from megatron_pp.core.parallel_state import ParallelState, init_distributed
-from megatron_pp.data.mock import MockData
+from megatron_pp.core.tensor_parallel import model_parallel_seed
+from megatron_pp.data.mock import mock_sample
 from megatron_pp.models.config import TransformerConfig
-from megatron_pp.models.layout import split_layers
+from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
-from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.registry import build_schedule, options_from_args
-from megatron_pp.training.arguments import model_config_from_args, num_chunks, parse_args
+from megatron_pp.training.arguments import model_config_from_args, num_chunks, parse_args, uses_file_data
+from megatron_pp.training.checkpointing import (
+    CheckpointError,
+    TrainingState,
+    capture_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from megatron_pp.training.flops import IterationFlops, iteration_flops, peak_tflops
+from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.model import build_model_chunks
 from megatron_pp.training.optimizer import MixedPrecisionOptimizer, learning_rate
+from megatron_pp.training.signals import ExitConditions
+
+FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
+
+# Mock validation samples start here: a range no training run reaches (10^12 samples).
+MOCK_VALID_FIRST_SAMPLE = 1 << 40
+
+
+# The pipeline -----------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -41,8 +78,14 @@ class Pipeline:
     state: ParallelState
     config: TransformerConfig
     schedule: Schedule
+    layout: list[StageSpec]
     chunks: list[nn.Module]
     executor: PipelineExecutor
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """Global stage of each of this rank's chunks."""
+        return [self.schedule.stage_of(self.state.pp_rank, c) for c in range(self.schedule.num_chunks)]
 
 
 def build_pipeline(
@@ -72,7 +115,95 @@ def build_pipeline(
         activation_shape=(seq, micro_batch_size, config.hidden_size),
         dtype=config.params_dtype, device=state.device, trace=trace,
     )
-    return Pipeline(state, config, schedule, chunks, executor)
+    return Pipeline(state, config, schedule, layout, chunks, executor)
+
+
+# Data -------------------------------------------------------------------------------------------------
+
+
+class Split(Protocol):
+    """A dataset split: batches by global sample index (what `megatron_pp.data.builder` returns)."""
+
+    def get_batch(self, sample_indices: Sequence[int], device: torch.device | str = "cpu") -> dict: ...
+
+
+@dataclass(frozen=True)
+class MockSplit:
+    """`--mock-data` as a split: sample i is mock sample `first_sample + i` (see `data.mock`)."""
+
+    seed: int
+    seq_length: int
+    vocab_size: int
+    first_sample: int = 0
+
+    def get_batch(self, sample_indices: Sequence[int], device: torch.device | str = "cpu") -> dict:
+        samples = torch.stack([mock_sample(self.seed, self.first_sample + i, self.seq_length, self.vocab_size)
+                               for i in sample_indices])
+        b, s = samples.shape[0], self.seq_length
+        return {
+            "tokens": samples[:, :-1].contiguous().to(device),
+            "labels": samples[:, 1:].contiguous().to(device),
+            "loss_mask": torch.ones(b, s, dtype=torch.float32, device=device),
+            "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s).contiguous(),
+        }
+
+
+@dataclass
+class TrainingData:
+    """The train and validation splits and the batch geometry that cuts them into microbatches."""
+
+    train: Split
+    valid: Optional[Split]
+    micro_batch_size: int
+    global_batch_size: int
+    dp_size: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def microbatches(self, split: Split, first_sample: int, dp_rank: int, device: torch.device) -> list[dict]:
+        """This replica's microbatches of the global batch starting at sample `first_sample`."""
+        b = self.micro_batch_size
+        starts = [first_sample + j * b * self.dp_size + dp_rank * b for j in range(self.num_microbatches)]
+        return [split.get_batch(range(start, start + b), device) for start in starts]
+
+
+def evaluation_enabled(args: argparse.Namespace) -> bool:
+    return args.eval_interval is not None and args.eval_iters > 0
+
+
+def build_config_and_data(args: argparse.Namespace, state: ParallelState) -> tuple[TransformerConfig, TrainingData]:
+    """The model config and the data. With file datasets the tokenizer decides the vocabulary."""
+    geometry = dict(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                    dp_size=state.dp_size)
+    if not uses_file_data(args):
+        config = model_config_from_args(args)
+        train = MockSplit(args.seed, config.seq_length, config.vocab_size)
+        valid = MockSplit(args.seed, config.seq_length, config.vocab_size, MOCK_VALID_FIRST_SAMPLE)
+        return config, TrainingData(train, valid if evaluation_enabled(args) else None, **geometry)
+
+    from megatron_pp.data.builder import build_datasets, data_config_from_args
+    from megatron_pp.data.tokenizers import build_tokenizer
+
+    seq_length = model_config_from_args(args, vocab_size=1).seq_length
+    data_config = data_config_from_args(args, seq_length=seq_length)
+    tokenizer = build_tokenizer(**data_config.tokenizer_args())
+    config = model_config_from_args(args, vocab_size=tokenizer.vocab_size)
+    valid_samples = args.eval_iters * args.global_batch_size if evaluation_enabled(args) else 0
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    train, valid, _ = build_datasets(
+        data_config, (args.train_iters * args.global_batch_size, valid_samples, 0), tokenizer.eod,
+        barrier=dist.barrier if distributed else None, is_builder=state.rank == 0,
+    )
+    if train is None:
+        raise ValueError(f"--split {args.split} leaves no training data")
+    if evaluation_enabled(args) and valid is None:
+        raise ValueError(f"--eval-interval: --split {args.split} leaves no validation data")
+    return config, TrainingData(train, valid, **geometry)
+
+
+# One iteration ----------------------------------------------------------------------------------------
 
 
 def global_token_count(microbatches: Sequence[dict], state: ParallelState) -> float:
@@ -96,23 +227,376 @@ def train_step(pipe: Pipeline, microbatches: Sequence[dict]) -> tuple[StepResult
     return result, tokens
 
 
-def step_metrics(pipe: Pipeline, result: StepResult, tokens: float) -> tuple[float, list[int]]:
-    """(global-batch mean loss, peak stash bytes per pipeline rank), identical on every rank.
+@dataclass
+class StepMetrics:
+    """Per-iteration numbers that every rank agrees on (gathered to all ranks)."""
+
+    loss: float
+    peak_stash_bytes: list[int]
+    peak_memory_bytes: Optional[list[int]]
+
+
+def step_metrics(pipe: Pipeline, result: StepResult, tokens: float) -> StepMetrics:
+    """Global-batch mean loss, and peak stash (and CUDA) bytes per pipeline rank.
 
     The loss lives on the last pipeline stage; peaks are maxed over each pipeline rank's tp and dp
-    replicas. Two small collectives: a dp sum of the loss, then a world max that carries it to rank 0.
+    replicas. Two small collectives: a dp sum of the loss, then a world max that carries everything to
+    every rank.
     """
     state = pipe.state
+    pp = state.pp_size
     loss = result.loss_sum.double() if result.loss_sum is not None else torch.zeros((), dtype=torch.float64)
     if state.dp_group is not None and state.dp_size > 1:
         dist.all_reduce(loss, group=state.dp_group)
-    vec = torch.full((1 + state.pp_size,), -math.inf, dtype=torch.float64)
+    vec = torch.full((1 + 2 * pp,), -math.inf, dtype=torch.float64)
     if result.loss_sum is not None:
         vec[0] = float(loss) / tokens
     vec[1 + state.pp_rank] = float(result.peak_stash_bytes)
+    on_cuda = state.device.type == "cuda"
+    if on_cuda:
+        vec[1 + pp + state.pp_rank] = float(torch.cuda.max_memory_allocated(state.device))
     if dist.is_initialized() and state.world_size > 1:
+        vec = vec.to(state.device)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    return float(vec[0]), [int(v) for v in vec[1:].tolist()]
+        vec = vec.cpu()
+    values = vec.tolist()
+    return StepMetrics(
+        loss=values[0],
+        peak_stash_bytes=[int(v) for v in values[1:1 + pp]],
+        peak_memory_bytes=[int(v) for v in values[1 + pp:]] if on_cuda else None,
+    )
+
+
+class _OptimizerCheckpointState:
+    """`state_dict`/`load_state_dict` for today's `MixedPrecisionOptimizer`, which has neither: the
+    inner torch optimizer's state plus the fp32 main weights (when the model is not fp32).
+    `optimizer.TrainingOptimizer` provides both itself; this goes when the loop switches to it."""
+
+    def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        main = [p.detach() for p in self.optimizer.main_params] if self.optimizer.needs_main else []
+        return {"optimizer": self.optimizer.optimizer.state_dict(), "main_params": main}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer.needs_main:
+            for param, saved in zip(self.optimizer.main_params, state["main_params"], strict=True):
+                param.copy_(saved)
+        self.optimizer.optimizer.load_state_dict(state["optimizer"])
+
+
+@dataclass
+class Progress:
+    """Where training stands: completed iterations and the samples they consumed."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+@dataclass
+class Trainer:
+    """One rank's training job, assembled by `pretrain`."""
+
+    args: argparse.Namespace
+    pipe: Pipeline
+    data: TrainingData
+    optimizer: MixedPrecisionOptimizer
+    checkpoint: TrainingState
+    flops: IterationFlops
+    peak_tflops: Optional[float]
+    logger: Optional[MetricsLogger]
+    progress: Progress = field(default_factory=Progress)
+    last_saved: Optional[int] = None
+    traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+
+    @property
+    def state(self) -> ParallelState:
+        return self.pipe.state
+
+    def log(self, text: str) -> None:
+        if self.logger is not None:
+            self.logger.message(text)
+
+    def train_iteration(self) -> dict:
+        """One optimizer step on the next global batch; returns its metrics row (on every rank)."""
+        args, pipe, state = self.args, self.pipe, self.state
+        start = time.perf_counter()
+        microbatches = self.data.microbatches(self.data.train, self.progress.consumed_samples, state.dp_rank,
+                                              state.device)
+        lr = learning_rate(args, self.progress.iteration)
+        result, tokens = train_step(pipe, microbatches)
+        grad_norm = global_grad_norm(pipe.chunks, state)
+        clip_gradients(pipe.chunks, args.clip_grad, grad_norm)
+        self.optimizer.step(lr)
+        metrics = step_metrics(pipe, result, tokens)
+        step_time = time.perf_counter() - start
+        self.progress.iteration += 1
+        self.progress.consumed_samples += args.global_batch_size
+        if args.trace_file:
+            self.traces.append(result.events)
+        tflops = self.flops.model / step_time / state.world_size / 1e12
+        hardware_tflops = self.flops.hardware / step_time / state.world_size / 1e12
+        return {
+            "iteration": self.progress.iteration,
+            "consumed_samples": self.progress.consumed_samples,
+            "loss": metrics.loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "global_batch_size": args.global_batch_size,
+            "loss_scale": 1.0,
+            "skipped": False,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "hfu": hardware_tflops / self.peak_tflops if self.peak_tflops else None,
+            "peak_stash_bytes": metrics.peak_stash_bytes,
+            "peak_memory_bytes": metrics.peak_memory_bytes,
+            "comm_wait_s": result.comm_wait_s,
+        }
+
+    def evaluate(self) -> dict:
+        """Validation loss over `--eval-iters` global batches (the same ones every time). Collective."""
+        args, state = self.args, self.state
+        start = time.perf_counter()
+        rng = capture_rng_state()
+        for chunk in self.pipe.chunks:
+            chunk.eval()
+        try:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            tokens = torch.zeros((), dtype=torch.float64)
+            with torch.no_grad():
+                for e in range(args.eval_iters):
+                    batches = self.data.microbatches(self.data.valid, e * args.global_batch_size, state.dp_rank,
+                                                     state.device)
+                    s, t = forward_only(self.pipe, batches)
+                    if s is not None:
+                        loss_sum += s.double().cpu()
+                        tokens += t.double().cpu()
+        finally:
+            for chunk in self.pipe.chunks:
+                chunk.train()
+            restore_rng_state(rng)
+        totals = torch.stack([loss_sum, tokens])
+        if state.dp_group is not None and state.dp_size > 1:
+            dist.all_reduce(totals, group=state.dp_group)
+        # Only the ranks holding the last stage have the sums: a world max carries them to everyone.
+        carried = totals if self._holds_last_stage() else torch.full((2,), -math.inf, dtype=torch.float64)
+        if dist.is_initialized() and state.world_size > 1:
+            carried = carried.to(state.device)
+            dist.all_reduce(carried, op=dist.ReduceOp.MAX)
+            carried = carried.cpu()
+        loss = float(carried[0] / carried[1])
+        return {
+            "iteration": self.progress.iteration,
+            "consumed_samples": self.progress.consumed_samples,
+            "eval_loss": loss,
+            "eval_ppl": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": int(carried[1]),
+            "eval_time_s": time.perf_counter() - start,
+        }
+
+    def _holds_last_stage(self) -> bool:
+        return self.pipe.schedule.num_stages - 1 in self.pipe.stage_ids
+
+    def save(self) -> None:
+        args = self.args
+        path = save_checkpoint(
+            args.save, self.progress.iteration, self.checkpoint,
+            consumed_samples=self.progress.consumed_samples, save_optimizer=not args.no_save_optim,
+            extra_metadata={"args": _json_safe(vars(args))},
+        )
+        self.last_saved = self.progress.iteration
+        self.log(f"saved checkpoint {path}")
+
+    def resume(self) -> None:
+        args = self.args
+        if args.load is None:
+            return
+        resumed = load_checkpoint(
+            args.load, self.checkpoint, load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
+            finetune=args.finetune, exit_on_missing=args.exit_on_missing_checkpoint,
+        )
+        if resumed is None:
+            self.log(f"no checkpoint in --load {args.load}: starting from scratch")
+            return
+        self.progress = Progress(resumed.iteration, resumed.consumed_samples)
+        self.last_saved = resumed.iteration if not args.finetune else None
+        self.log(f"loaded checkpoint {resumed.path}: iteration {resumed.iteration}, "
+                 f"consumed samples {resumed.consumed_samples}")
+
+    def run(self, exit_conditions: ExitConditions) -> list[dict]:
+        """Iterate to `--train-iters` or an early exit; returns the logging rank's rows."""
+        args = self.args
+        rows: list[dict] = []
+
+        def record(row: dict, evaluation: bool = False) -> None:
+            if self.logger is not None:
+                rows.append(row)
+                (self.logger.evaluation if evaluation else self.logger.train)(row)
+
+        last_eval: Optional[int] = None
+        stopped = False
+        while self.progress.iteration < args.train_iters:
+            record(self.train_iteration())
+            iteration = self.progress.iteration
+            if evaluation_enabled(args) and iteration % args.eval_interval == 0:
+                record(self.evaluate(), evaluation=True)
+                last_eval = iteration
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                self.save()
+            reason = exit_conditions.check(iteration)
+            if reason is not None:
+                if args.save and self.last_saved != iteration:
+                    self.save()
+                self.log(f"exiting after iteration {iteration}: {reason}")
+                stopped = True
+                break
+        if not stopped:
+            if evaluation_enabled(args) and last_eval != self.progress.iteration:
+                record(self.evaluate(), evaluation=True)
+            if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
+                self.save()
+        if args.trace_file:
+            _gather_and_write_trace(args.trace_file, self.traces, self.state)
+        return rows
+
+
+def _json_safe(values: dict) -> dict:
+    return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+
+# Evaluation -------------------------------------------------------------------------------------------
+
+
+def forward_only(pipe: Pipeline, microbatches: Sequence[dict]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Run the forward actions of this rank's list (see the module docstring); call under no_grad.
+
+    Returns (sum of masked per-token losses, token count) over the microbatches on the rank holding the
+    last stage, (None, None) elsewhere.
+    """
+    schedule, rank, executor = pipe.schedule, pipe.state.pp_rank, pipe.executor
+    actions = [a for a in schedule.actions[rank] if a.op in FORWARD_OPS]
+    last = schedule.num_stages - 1
+    inputs: dict[tuple[int, int], Any] = {}  # Transfer (posted receive) or tensor (same-rank handover)
+    outputs: dict[tuple[int, int], torch.Tensor] = {}  # waiting for their SEND_F
+    loss_sum: Optional[torch.Tensor] = None
+    tokens: Optional[torch.Tensor] = None
+    i = 0
+    while i < len(actions):
+        action = actions[i]
+        if action.op is not Op.F:
+            j = i
+            while j < len(actions) and actions[j].op is not Op.F:
+                j += 1
+            _post_forward_batch(actions[i:j], executor, inputs, outputs)
+            i = j
+            continue
+        i += 1
+        mb, c = action.microbatch, action.chunk
+        stage = schedule.stage_of(rank, c)
+        x = None
+        if stage > 0:
+            x = inputs.pop((mb, c))
+            if isinstance(x, Transfer):
+                x, _ = x.wait()
+        batch = microbatches[mb]
+        y = pipe.chunks[c](x, batch)
+        if stage == last:
+            mask = batch["loss_mask"]
+            masked, count = (y.float() * mask).sum(), mask.sum()
+            loss_sum = masked if loss_sum is None else loss_sum + masked
+            tokens = count if tokens is None else tokens + count
+            continue
+        next_rank, next_chunk = schedule.location(stage + 1)
+        if next_rank == rank:
+            inputs[(mb, next_chunk)] = y
+        else:
+            outputs[(mb, c)] = y
+    if executor.comm is not None:
+        executor.comm.drain()
+    return loss_sum, tokens
+
+
+def _post_forward_batch(batch: Sequence[Action], executor: PipelineExecutor, inputs: dict, outputs: dict) -> None:
+    sends = [(outputs.pop((a.microbatch, a.chunk)), a.peer, None) for a in batch if a.op is Op.SEND_F]
+    receives = [a for a in batch if a.op is Op.RECV_F]
+    buffers = [(torch.empty(executor.activation_shape, dtype=executor.dtype, device=executor.device), a.peer)
+               for a in receives]
+    for a, transfer in zip(receives, executor.comm.post(sends, buffers)):
+        inputs[(a.microbatch, a.chunk)] = transfer
+
+
+# The job ----------------------------------------------------------------------------------------------
+
+
+def seed_everything(seed: int, state: ParallelState) -> None:
+    """Python, NumPy, torch and the tensor-parallel RNG tracker (streams differ by pipeline stage and,
+    for the tracker, by tensor-parallel rank; see `core.tensor_parallel.random`)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    model_parallel_seed(seed, state.tp_rank, state.pp_rank)
+
+
+def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) -> list[dict]:
+    """Run the configured training job; returns rank 0's metric rows (training and evaluation; empty
+    on other ranks). `args` come from `parse_args`; `state` is built here unless given (by an embedding
+    program that already has the process groups)."""
+    started = time.monotonic()
+    if state is None:
+        init_distributed(args.distributed_backend)
+        state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    seed_everything(args.seed, state)
+    config, data = build_config_and_data(args, state)
+    schedule = build_schedule(args.pipeline_schedule, state.pp_size, data.num_microbatches, num_chunks(args, config),
+                              **options_from_args(args, args.pipeline_schedule))
+    pipe = build_pipeline(
+        config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
+        sequence_parallel=args.sequence_parallel,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding=args.account_for_embedding_in_pipeline_split,
+        account_for_loss=args.account_for_loss_in_pipeline_split,
+        trace=bool(args.trace_file),
+    )
+    optimizer = MixedPrecisionOptimizer.from_args(unique_parameters(pipe.chunks), args)
+    checkpoint = TrainingState(
+        chunks=pipe.chunks, stage_ids=pipe.stage_ids, stages=pipe.layout, placement=schedule.placement,
+        state=state, config=config, schedule_name=schedule.name, optimizer=_OptimizerCheckpointState(optimizer),
+        optimizer_sharded_by_dp=args.use_distributed_optimizer,
+    )
+    logger = None
+    if state.rank == 0:
+        logger = MetricsLogger(
+            train_iters=args.train_iters, log_interval=args.log_interval, log_throughput=args.log_throughput,
+            metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
+            wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+            wandb_save_dir=args.wandb_save_dir, run_config=_json_safe(vars(args)),
+        )
+    trainer = Trainer(args, pipe, data, optimizer, checkpoint,
+                      flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size),
+                      peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=logger)
+    try:
+        trainer.log(
+            f"megatron_pp: world {state.world_size} = tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "
+            f"schedule {schedule.name} (m={schedule.num_microbatches}, v={schedule.num_chunks}), "
+            f"{config.num_parameters(state.tp_size) / 1e6:.2f}M parameters"
+        )
+        trainer.resume()
+        if logger is not None:
+            logger.start(trainer.progress.iteration)
+        with ExitConditions(handle_signals=args.exit_signal_handler, exit_interval=args.exit_interval,
+                            exit_duration_mins=args.exit_duration_in_mins, started=started,
+                            device=state.device) as exit_conditions:
+            return trainer.run(exit_conditions)
+    finally:
+        if logger is not None:
+            logger.close()
+
+
+# Trace ------------------------------------------------------------------------------------------------
 
 
 def write_trace(path: str, events_by_rank: list[list[tuple[str, float, float]]]) -> None:
@@ -126,79 +610,6 @@ def write_trace(path: str, events_by_rank: list[list[tuple[str, float, float]]])
     with open(tmp, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
     os.replace(tmp, path)
-
-
-def pretrain(args: argparse.Namespace) -> list[dict]:
-    """Run the configured training job; returns rank 0's metric rows (empty on other ranks)."""
-    init_distributed(args.distributed_backend)
-    state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    config = model_config_from_args(args)
-    global_batch = args.global_batch_size or args.micro_batch_size * state.dp_size
-    data = MockData(args.seed, config.seq_length, config.vocab_size, args.micro_batch_size, global_batch, state.dp_size)
-    options = options_from_args(args, args.pipeline_schedule)
-    schedule = build_schedule(args.pipeline_schedule, state.pp_size, data.num_microbatches, num_chunks(args, config), **options)
-    pipe = build_pipeline(
-        config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
-        sequence_parallel=args.sequence_parallel,
-        first_stage_layers=args.decoder_first_pipeline_num_layers,
-        last_stage_layers=args.decoder_last_pipeline_num_layers,
-        account_for_embedding=args.account_for_embedding_in_pipeline_split,
-        account_for_loss=args.account_for_loss_in_pipeline_split,
-        trace=bool(args.trace_file),
-    )
-    optimizer = MixedPrecisionOptimizer.from_args(unique_parameters(pipe.chunks), args)
-    is_logger = state.rank == 0
-    metrics_file = open(args.metrics_file, "a") if (args.metrics_file and is_logger) else None
-    if is_logger:
-        print(
-            f"megatron_pp: world {state.world_size} = tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "
-            f"schedule {schedule.name} (m={schedule.num_microbatches}, v={schedule.num_chunks}), "
-            f"{config.num_parameters(state.tp_size) / 1e6:.2f}M parameters",
-            flush=True,
-        )
-    rows: list[dict] = []
-    traces: list[list[tuple[str, float, float]]] = []
-    try:
-        for iteration in range(1, args.train_iters + 1):
-            start = time.perf_counter()
-            microbatches = data.step_microbatches(iteration - 1, state.dp_rank, state.device)
-            lr = learning_rate(args, iteration - 1)
-            result, tokens = train_step(pipe, microbatches)
-            grad_norm = global_grad_norm(pipe.chunks, state)
-            clip_gradients(pipe.chunks, args.clip_grad, grad_norm)
-            optimizer.step(lr)
-            loss, peaks = step_metrics(pipe, result, tokens)
-            step_time = time.perf_counter() - start
-            if args.trace_file:
-                traces.append([(f"{lbl}", s, e) for lbl, s, e in result.events])
-            row = {
-                "iteration": iteration,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "step_time_s": step_time,
-                "tokens_per_s": tokens / step_time,
-                "peak_stash_bytes": peaks,
-                "comm_wait_s": result.comm_wait_s,
-            }
-            if is_logger:
-                rows.append(row)
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if iteration % args.log_interval == 0 or iteration == args.train_iters:
-                    print(
-                        f" iteration {iteration:6d}/{args.train_iters} | loss {loss:.6f} | grad norm {grad_norm:.4f} | "
-                        f"lr {lr:.3e} | {step_time * 1e3:.1f} ms | {tokens / step_time:.0f} tokens/s | "
-                        f"peak stash MB per pp rank {[round(p / 2**20, 2) for p in peaks]}",
-                        flush=True,
-                    )
-        if args.trace_file:
-            _gather_and_write_trace(args.trace_file, traces, state)
-    finally:
-        if metrics_file:
-            metrics_file.close()
-    return rows
 
 
 def _gather_and_write_trace(path: str, traces: list, state: ParallelState) -> None:
@@ -216,10 +627,15 @@ def _gather_and_write_trace(path: str, traces: list, state: ParallelState) -> No
         write_trace(path, gathered)
 
 
-def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp pretraining") -> None:
-    args = parse_args(argv, description)
-    torch.manual_seed(args.seed)
-    pretrain(args)
+def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp pretraining",
+         default_preset: Optional[str] = None) -> None:
+    args = parse_args(argv, description, default_preset)
+    try:
+        pretrain(args)
+    except CheckpointError as exc:
+        # Every rank raises the same agreed error: one line, no traceback, non-zero exit.
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

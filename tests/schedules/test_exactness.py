@@ -59,7 +59,7 @@ def pipeline_run(ctx, preset, num_layers, tp, pp, schedule_name, m, v, sequence_
                           sequence_parallel=sequence_parallel)
     data = MockData(SEED, config.seq_length, config.vocab_size, MICRO_BATCH, MICRO_BATCH * m * state.dp_size, state.dp_size)
     result, tokens = train_step(pipe, data.step_microbatches(0, state.dp_rank))
-    loss, _ = step_metrics(pipe, result, tokens)
+    loss = step_metrics(pipe, result, tokens).loss
     grads = {}
     for chunk in pipe.chunks:
         for name, p in chunk.named_parameters():

@@ -3,6 +3,7 @@ training, and argument errors that stop before any work."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,15 +45,15 @@ def _pretrain_losses(ctx, argv):
     from megatron_pp.training.arguments import parse_args
     from megatron_pp.training.train import pretrain
 
-    rows = pretrain(parse_args(argv))
+    args = parse_args(argv)
+    # The worker's cached groups: new_group is collective and slow, and the pool outlives this call.
+    state = ctx.parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    rows = pretrain(args, state=state)
     return [r["loss"] for r in rows] if rows else None
 
 
 def _single_process_losses(argv):
-    from megatron_pp.training.arguments import parse_args
-    from megatron_pp.training.train import pretrain
-
-    return [r["loss"] for r in pretrain(parse_args(argv))]
+    return [r["loss"] for r in _single_process_rows(argv)]
 
 
 @pytest.mark.parametrize("flavour,layout", [
@@ -107,11 +108,42 @@ def test_bad_arguments_are_reported_by_flag(extra, needle):
 
 def test_bad_arguments_exit_2_without_traceback():
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data", "--pipeline-schedule", "nope",
-         "--tensor-model-parallel-size", "0"],
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data", "--train-iters", "3",
+         "--pipeline-schedule", "nope", "--tensor-model-parallel-size", "0"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 2, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_file_dataset_with_validation_split_and_exact_resume(tmp_path):
+    """--data-path: the tokenizer sets the vocabulary, the valid split feeds evaluation, and a resumed
+    run reads the same samples as an uninterrupted one."""
+    import numpy as np
+
+    from megatron_pp.data.indexed import write_dataset
+    from megatron_pp.training.checkpointing import read_metadata
+
+    rng = np.random.default_rng(0)
+    eod = 300  # NullTokenizer --vocab-size 300: ids 0..299 and the end-of-document id 300
+    write_dataset(str(tmp_path / "corpus"), [np.append(rng.integers(0, eod, rng.integers(20, 80)), eod)
+                                             for _ in range(40)], np.uint16)
+    argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+            "--data-path", str(tmp_path / "corpus"), "--split", "80,20,0", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "300", "--eval-interval", "3", "--eval-iters", "1"]
+    straight = _single_process_rows(argv)
+    assert [r["iteration"] for r in straight] == [1, 2, 3, 3] and math.isfinite(straight[-1]["eval_loss"])
+    first = _single_process_rows(argv + ["--save", str(tmp_path / "ck"), "--exit-interval", "2"])
+    assert read_metadata(str(tmp_path / "ck" / "iter_0000002"))["model"]["vocab_size"] == 301
+    resumed = _single_process_rows(argv + ["--load", str(tmp_path / "ck")])
+    assert [r["loss"] for r in first + resumed[:1]] == [r["loss"] for r in straight[:3]]
+    assert resumed[-1]["eval_loss"] == straight[-1]["eval_loss"]
+
+
+def _single_process_rows(argv):
+    from megatron_pp.training.arguments import parse_args
+    from megatron_pp.training.train import pretrain
+
+    return pretrain(parse_args(argv))
