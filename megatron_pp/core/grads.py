@@ -1,21 +1,40 @@
-"""Gradient reduction after a pipeline step, and the global gradient norm.
+"""Gradient reduction after (and during) a pipeline step, and the global gradient norm.
 
-After every microbatch's backward has run, three reductions make each rank's gradients those of the
-full model on the full global batch:
+After every microbatch's backward has run, three sums make each rank's gradients those of the full
+model on the full global batch, in this order (Megatron-LM's):
 
-1. parameters that saw only a sequence shard under sequence parallelism (norm weights, row-parallel
+1. everything is summed over the data-parallel group. The executor scales each loss by
+   1 / (tokens in the global batch), so a sum, not a mean, gives the global per-token mean's gradient;
+2. parameters that saw only a sequence shard under sequence parallelism (norm weights, row-parallel
    biases; marked `sequence_parallel=True`) are summed over the tensor-parallel group;
-2. the tied word-embedding copy on the first and last pipeline stages (marked `shared_embedding=True`)
-   is summed over the embedding group, so both copies step identically;
-3. everything is summed over the data-parallel group. The executor scales each loss by
-   1 / (tokens in the global batch), so a sum, not a mean, gives the global per-token mean's gradient.
+3. the tied word-embedding copy on the first and last pipeline stages (marked `shared_embedding=True`)
+   is summed over the embedding group, so both copies step identically.
 
-Each reduction flattens the gradients into buckets of at most `bucket_bytes` and issues one all-reduce
-per bucket: a handful of large collectives instead of one per tensor.
+`GradientReducer` is the training path. It gives every parameter a slot in a flat fp32 gradient buffer,
+split into buckets of about `bucket_bytes`; autograd accumulates into the slots (fp32 parameters use
+their slot as `.grad`, lower-precision ones are added in by a hook, so gradients always accumulate in
+fp32). Each parameter's post-accumulate-grad hook counts its contributions: with m microbatches a
+parameter held by k local chunks receives exactly k * m of them, the last during its chunk's last
+backward. When every parameter of a bucket is complete the bucket's data-parallel sum starts
+asynchronously (`overlap=True`), while the backward of earlier layers and other microbatches goes on.
+Buckets start strictly in index order, so every data-parallel replica issues the same collectives in
+the same order whatever order its hooks fire in. With the distributed optimizer the data-parallel sum
+is a reduce-scatter: each rank keeps only its contiguous 1/dp shard of every bucket, which is what its
+optimizer shard updates. Sums 2 and 3 run in `finish()`, on the slice each rank holds: TP peers share
+one buffer layout, and each cross-rank tied embedding sits alone in its bucket so the first and last
+pipeline rank hold the same shard of it.
+
+Gradient norms accumulate squares in fp64, so the norm does not depend (beyond 1e-15) on how the
+gradient is cut into tensors, shards and ranks: every layout and the distributed optimizer clip by the
+same factor as one process would.
+
+`finalize_gradients` is the plain synchronous path (the same sums on `.grad`, after the backward), kept
+as the simple reference the reducer is tested against.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -23,8 +42,15 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.core.tensor_parallel.utils import (
+    PendingCollective,
+    start_all_reduce_,
+    start_reduce_scatter_dim0,
+)
 
 DEFAULT_BUCKET_BYTES = 40 * 1024 * 1024
+GRAD_DTYPE = torch.float32  # gradients accumulate and are reduced in fp32 whatever the model's dtype
+_NORM_CHUNK = 1 << 22  # elements per fp64 norm: bounds the temporary fp64 copy the norm kernel makes
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -62,6 +88,15 @@ def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup) -> None
         offset += t.numel()
 
 
+def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of `t` as an fp64 scalar, accumulated in fp64 a chunk at a time."""
+    flat = t.detach().reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), _NORM_CHUNK):
+        total += torch.linalg.vector_norm(flat[start : start + _NORM_CHUNK], dtype=torch.float64).square()
+    return total
+
+
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
@@ -75,33 +110,33 @@ def unique_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
+def counts_once_in_model(param: nn.Parameter, state: ParallelState) -> bool:
+    """Whether this rank's copy of `param` is the one that represents it in the full model's gradient.
+
+    Tensor-parallel shards all count; parameters replicated across TP count on TP rank 0 only; the tied
+    embedding copy counts only on the first pipeline stage. (Data-parallel replicas are the caller's
+    business: they hold identical reduced gradients, or disjoint shards under the distributed optimizer.)
+    """
+    if not getattr(param, "tensor_model_parallel", False) and state.tp_rank != 0:
+        return False
+    return not (getattr(param, "shared_embedding", False) and not state.is_first_pp_rank)
+
+
 def finalize_gradients(modules: Sequence[nn.Module], state: ParallelState) -> None:
-    """Apply the three reductions above to every parameter of this rank's model chunks."""
+    """Apply the three reductions above to every parameter's `.grad`, synchronously, after the backward."""
     params = [p for p in unique_parameters(modules) if p.requires_grad]
+    all_reduce_coalesced(_grads(params), state.dp_group)
     all_reduce_coalesced(_grads(p for p in params if getattr(p, "sequence_parallel", False)), state.tp_group)
     if len(state.embedding_ranks) > 1 and state.rank in state.embedding_ranks:
         all_reduce_coalesced(_grads(p for p in params if getattr(p, "shared_embedding", False)), state.embedding_group)
-    all_reduce_coalesced(_grads(params), state.dp_group)
 
 
 def global_grad_norm(modules: Sequence[nn.Module], state: ParallelState) -> float:
-    """L2 norm of the full model's gradient across tp x pp (dp replicas hold identical gradients).
-
-    Each parameter is counted once: tensor-parallel shards all count, parameters replicated across TP
-    count on TP rank 0 only, and the tied embedding copy counts only on the first pipeline stage.
-    """
-    total = None
+    """L2 norm of the full model's `.grad` across tp x pp after `finalize_gradients` (dp replicas agree)."""
+    total = torch.zeros((), dtype=torch.float64, device=state.device)
     for p in unique_parameters(modules):
-        if p.grad is None:
-            continue
-        if not getattr(p, "tensor_model_parallel", False) and state.tp_rank != 0:
-            continue
-        if getattr(p, "shared_embedding", False) and not state.is_first_pp_rank:
-            continue
-        sq = p.grad.detach().float().pow(2).sum()
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), dtype=torch.float32, device=state.device)
+        if p.grad is not None and counts_once_in_model(p, state):
+            total += squared_norm_fp64(p.grad)
     if state.mp_group is not None and _group_size(state.mp_group) > 1:
         dist.all_reduce(total, group=state.mp_group)
     return math.sqrt(float(total))
@@ -115,3 +150,274 @@ def clip_gradients(modules: Sequence[nn.Module], max_norm: float, norm: float) -
     for p in unique_parameters(modules):
         if p.grad is not None:
             p.grad.detach().mul_(coef)
+
+
+# Bucketed, overlapped reduction ---------------------------------------------------------------------------
+
+
+@dataclass
+class GradBucket:
+    """Some parameters' fp32 gradient slots, contiguous in `grad`, reduced by one collective.
+
+    `grad` is padded to a multiple of the data-parallel size; this rank's shard (what it holds reduced
+    after `finish()`) is `grad[shard_start:shard_end]`: all of it without the distributed optimizer.
+    """
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    grad: torch.Tensor
+    shard_start: int
+    shard_end: int
+    waiting: int = 0  # parameters whose gradient is not complete yet this step
+    pending: Optional[PendingCollective] = None
+
+
+@dataclass
+class GradPiece:
+    """The part `[start, end)` of flattened `param` whose reduced gradient this rank holds, as `grad`,
+    found at `bucket.grad[bucket_offset : bucket_offset + end - start]`."""
+
+    param: nn.Parameter
+    bucket: GradBucket
+    bucket_offset: int
+    start: int
+    end: int
+    grad: torch.Tensor = field(repr=False)
+
+
+class GradientReducer:
+    """Owns the gradient buffers of a rank's model chunks and their data-parallel reduction.
+
+    Per step: `start_step(num_microbatches)` before the first backward, the executor's backwards, then
+    `finish()`. Gradients are then final: `grad_view(p)` is parameter `p`'s full reduced gradient
+    (fp32 parameters also have it as `p.grad`), or, with `distributed_optimizer=True`, `held_pieces()`
+    are this rank's reduced shards (`p.grad` is then None: the rest of the buffer is not reduced).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        state: ParallelState,
+        *,
+        overlap: bool,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        distributed_optimizer: bool = False,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"gradient bucket size must be >= 1 byte, got {bucket_bytes}")
+        self.state = state
+        self.overlap = overlap
+        self.distributed_optimizer = distributed_optimizer
+        self.grads_reduced = False
+        self._step_open = False
+
+        # How many local chunks hold each parameter, in the order gradients complete: the last chunk's
+        # backward finishes first on a rank (later stages run their backward earlier), and within a
+        # chunk the backward runs from the output back to the embedding.
+        holders: dict[int, int] = {}
+        order: list[tuple[int, nn.Parameter]] = []
+        for c in reversed(range(len(chunks))):
+            for p in reversed(list(chunks[c].parameters())):
+                if not p.requires_grad:
+                    continue
+                if id(p) not in holders:
+                    order.append((c, p))
+                    holders[id(p)] = 0
+                holders[id(p)] += 1
+        if not order:
+            raise ValueError("the model chunks have no trainable parameters")
+        self._holders = holders
+        # A tied embedding whose other copy lives on another pipeline rank needs the embedding-group sum;
+        # one held by two local chunks (both ends of the pipeline on this rank) is already a single tensor.
+        cross_rank = [p for _, p in order if getattr(p, "shared_embedding", False) and holders[id(p)] == 1]
+        self._embedding_params = cross_rank if len(state.embedding_ranks) > 1 else []
+        trailing_ids = {id(p) for p in self._embedding_params} | {id(p) for _, p in order if holders[id(p)] > 1}
+        self.buckets = self._make_buckets(order, trailing_ids, bucket_bytes)
+        self._views: dict[int, torch.Tensor] = {}
+        self._bucket_of: dict[int, GradBucket] = {}
+        for bucket in self.buckets:
+            for p, offset in zip(bucket.params, bucket.offsets):
+                self._views[id(p)] = bucket.grad[offset : offset + p.numel()].view_as(p)
+                self._bucket_of[id(p)] = bucket
+        self._pieces = self._make_pieces()
+        self._sequence_parallel_grads = [g.grad for g in self._pieces if getattr(g.param, "sequence_parallel", False)]
+        embedding_ids = {id(p) for p in self._embedding_params}
+        self._embedding_grads = [g.grad for g in self._pieces if id(g.param) in embedding_ids]
+        self._arrived: dict[int, int] = {i: 0 for i in holders}
+        self._expected: dict[int, int] = {i: 0 for i in holders}
+        self._next_launch = 0
+        for _, p in order:
+            p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+
+    # Layout -----------------------------------------------------------------------------------------------
+    def _make_buckets(
+        self, order: list[tuple[int, nn.Parameter]], trailing_ids: set[int], bucket_bytes: int
+    ) -> list[GradBucket]:
+        """Pack parameters in gradient-completion order; a bucket never spans two chunks or dtypes, and
+        parameters completing last (shared by chunks) or needing the embedding sum come at the end."""
+        groups: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        key = None
+        for c, p in order:
+            if id(p) in trailing_ids:
+                continue
+            nbytes = p.numel() * GRAD_DTYPE.itemsize
+            if current and ((c, p.dtype, p.device) != key or size + nbytes > bucket_bytes):
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+            key = (c, p.dtype, p.device)
+        if current:
+            groups.append(current)
+        embedding_ids = {id(p) for p in self._embedding_params}
+        shared = [p for _, p in order if id(p) in trailing_ids and id(p) not in embedding_ids]
+        if shared:
+            groups.append(shared)
+        groups += [[p] for p in self._embedding_params]  # alone, so both pipeline ends shard it alike
+
+        dp = self.state.dp_size if self.distributed_optimizer else 1
+        dp_rank = self.state.dp_rank if self.distributed_optimizer else 0
+        buckets = []
+        for index, params in enumerate(groups):
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+            padded = -(-total // dp) * dp
+            shard = padded // dp
+            grad = torch.zeros(padded, dtype=GRAD_DTYPE, device=params[0].device)
+            buckets.append(GradBucket(index, params, offsets, grad, dp_rank * shard, (dp_rank + 1) * shard))
+        return buckets
+
+    def _make_pieces(self) -> list[GradPiece]:
+        pieces = []
+        for bucket in self.buckets:
+            for p, offset in zip(bucket.params, bucket.offsets):
+                start = max(offset, bucket.shard_start)
+                end = min(offset + p.numel(), bucket.shard_end)
+                if start < end:
+                    pieces.append(GradPiece(p, bucket, start, start - offset, end - offset, bucket.grad[start:end]))
+        return pieces
+
+    def grad_view(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s fp32 gradient slot (fully reduced after `finish()` without the distributed optimizer)."""
+        return self._views[id(param)]
+
+    def held_pieces(self) -> list[GradPiece]:
+        """The gradient slices this rank holds reduced after `finish()`, in bucket order: every
+        parameter whole, or with the distributed optimizer the parts inside this rank's shards."""
+        return list(self._pieces)
+
+    # One step ---------------------------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the buffers and expect `num_microbatches` backward contributions per chunk and parameter."""
+        if num_microbatches < 1:
+            raise ValueError(f"a step needs at least one microbatch, got {num_microbatches}")
+        if any(b.pending is not None for b in self.buckets):
+            raise RuntimeError("start_step() while the previous step's reductions are in flight; call finish() first")
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+            bucket.waiting = len(bucket.params)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._arrived[id(p)] = 0
+                self._expected[id(p)] = self._holders[id(p)] * num_microbatches
+                # fp32 parameters accumulate straight into their slot: autograd adds in place to `.grad`.
+                p.grad = self._views[id(p)] if p.dtype == GRAD_DTYPE else None
+        self._next_launch = 0
+        self._step_open = True
+        self.grads_reduced = False
+
+    def _on_grad_accumulated(self, p: nn.Parameter) -> None:
+        key = id(p)
+        if not self._step_open:
+            raise RuntimeError(
+                "a gradient arrived outside a step: call GradientReducer.start_step() before the backward"
+            )
+        view = self._views[key]
+        if p.grad.data_ptr() != view.data_ptr():
+            # A low-precision gradient (or a `.grad` someone reset): fold it into the fp32 slot.
+            view.add_(p.grad)
+            p.grad = view if p.dtype == GRAD_DTYPE else None
+        self._arrived[key] += 1
+        if self._arrived[key] > self._expected[key]:
+            raise RuntimeError(
+                f"parameter of shape {tuple(p.shape)} received {self._arrived[key]} gradient contributions in a "
+                f"step declared with {self._expected[key] // self._holders[key]} microbatches: start_step() was "
+                "given the wrong count, or a backward ran twice"
+            )
+        if self._arrived[key] == self._expected[key]:
+            bucket = self._bucket_of[key]
+            bucket.waiting -= 1
+            if self.overlap and bucket.waiting == 0:
+                self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        """Start the reductions of complete buckets (all remaining ones with `force`), in index order."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.waiting and not force:
+                return
+            if self.distributed_optimizer:
+                # The buffer is scratch until the next step, so the all-reduce fallback may use it in place.
+                bucket.pending = start_reduce_scatter_dim0(bucket.grad, self.state.dp_group, input_is_scratch=True)
+            else:
+                bucket.pending = start_all_reduce_(bucket.grad, self.state.dp_group)
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """Complete the data-parallel reductions, then the sequence-parallel and tied-embedding sums."""
+        if not self._step_open:
+            raise RuntimeError("finish() without start_step(): no step is accumulating gradients")
+        self._launch_ready(force=True)
+        for bucket in self.buckets:
+            reduced = bucket.pending.wait()
+            bucket.pending = None
+            shard = bucket.grad[bucket.shard_start : bucket.shard_end]
+            if reduced.data_ptr() != shard.data_ptr():
+                shard.copy_(reduced)
+        all_reduce_coalesced(self._sequence_parallel_grads, self.state.tp_group)
+        if self._embedding_grads:
+            all_reduce_coalesced(self._embedding_grads, self.state.embedding_group)
+        if self.distributed_optimizer:
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    p.grad = None  # only this rank's shard of the buffer is reduced: do not offer the rest
+        self._step_open = False
+        self.grads_reduced = True
+
+    # After the reduction ---------------------------------------------------------------------------------
+    def norm_and_found_inf(self) -> tuple[float, bool]:
+        """(L2 norm of the full model's reduced gradient, whether any rank holds an inf or NaN).
+
+        Each parameter counts once over tp x pp x dp (see `counts_once_in_model`; without the
+        distributed optimizer dp replicas are identical and only dp rank 0 counts). One all-reduce over
+        the world carries both the fp64 sum of squares and an overflow flag, so every rank reaches the
+        same skip decision.
+        """
+        if not self.grads_reduced:
+            raise RuntimeError("gradient norm before finish(): the gradients are not reduced yet")
+        state = self.state
+        device = self.buckets[0].grad.device
+        sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        rest = torch.zeros((), dtype=torch.float64, device=device)  # uncounted copies may overflow too
+        for piece in self._pieces:
+            counts = counts_once_in_model(piece.param, state) and (self.distributed_optimizer or state.dp_rank == 0)
+            if counts:
+                sumsq += squared_norm_fp64(piece.grad)
+            else:
+                rest += squared_norm_fp64(piece.grad)
+        stats = torch.stack([(~torch.isfinite(sumsq + rest)).double(), sumsq])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)
+        found_inf, total = stats.tolist()
+        return math.sqrt(total) if found_inf == 0 else math.inf, found_inf > 0
+
+    @torch.no_grad()
+    def scale_(self, factor: float) -> None:
+        """Multiply every gradient this rank holds by `factor` (unscaling and clipping in one pass)."""
+        for bucket in self.buckets:
+            bucket.grad[bucket.shard_start : bucket.shard_end].mul_(factor)

@@ -15,18 +15,27 @@ for the embedding, the output layer and the cross-entropy.
 Initialisation does not depend on the layout: `init_stage_weights` draws every parameter's full tensor
 from a generator seeded by (seed, parameter name) and keeps this rank's slice, so tp=1, tp=4, a 2-stage
 pipeline or an interleaved one all start from bit-identical weights.
+
+Activation recomputation (`RecomputeConfig`, Megatron's `--recompute-*` flags) trades compute for
+memory: a checkpointed span keeps only its inputs for the backward, which reruns it. It uses
+non-reentrant `torch.utils.checkpoint`, whose inputs are saved through the ordinary saved-tensor
+hooks, so the pipeline's activation store sees (and can offload) exactly what is kept; dropout
+replays the same masks because both the default generator and the TP RNG tracker's streams are
+restored for the rerun (`checkpoint_with_rng`).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import math
-from typing import Any, ContextManager, Iterable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from megatron_pp.core.tensor_parallel import (
     TENSOR_PARALLEL_RNG,
@@ -115,6 +124,88 @@ def _fork_if(condition: bool, rng_tracker: RNGTracker) -> ContextManager:
     return rng_tracker.fork(TENSOR_PARALLEL_RNG) if condition else contextlib.nullcontext()
 
 
+# Activation recomputation -------------------------------------------------------------------------------
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Which activations the backward recomputes instead of keeping (default: none).
+
+    `full` checkpoints whole transformer layers of each model chunk. `method="uniform"` cuts the chunk's
+    layers into spans of `num_layers` (the last may be shorter) and keeps only each span's input;
+    `method="block"` checkpoints each of the chunk's first `num_layers` layers on its own and runs the
+    rest normally, a way to spend memory left over. Example, a chunk of 4 layers: uniform 2 keeps the
+    inputs of layers 0 and 2; block 1 keeps the input of layer 0 and everything layers 1-3 save.
+    `selective` checkpoints only the attention core (scores, softmax, dropout, weighted sum), whose
+    saved tensors grow with the square of the sequence length while its FLOPs are a small share.
+    """
+
+    granularity: Optional[str] = None
+    """None, "full" or "selective" (--recompute-granularity)."""
+    method: Optional[str] = None
+    """"uniform" or "block", full granularity only (--recompute-method)."""
+    num_layers: Optional[int] = None
+    """Span length (uniform) or number of checkpointed layers (block) (--recompute-num-layers)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity is not None and self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"--recompute-granularity {self.granularity!r} is not one of {', '.join(RECOMPUTE_GRANULARITIES)}"
+            )
+        if self.granularity == "full":
+            if self.method not in RECOMPUTE_METHODS:
+                raise ValueError(
+                    f"--recompute-granularity full needs --recompute-method {' or '.join(RECOMPUTE_METHODS)}, "
+                    f"got {self.method!r}"
+                )
+            if self.num_layers is None or self.num_layers < 1:
+                raise ValueError(
+                    f"--recompute-granularity full needs --recompute-num-layers >= 1, got {self.num_layers}"
+                )
+        elif self.method is not None or self.num_layers is not None:
+            raise ValueError("--recompute-method and --recompute-num-layers apply only to --recompute-granularity full")
+
+    def checkpointed_spans(self, num_layers: int) -> list[tuple[int, int, bool]]:
+        """`(start, end, checkpointed)` spans covering a chunk's `num_layers` layers, in order."""
+        if self.granularity != "full" or num_layers == 0:
+            return [(0, num_layers, False)]
+        n = self.num_layers
+        if self.method == "uniform":
+            return [(i, min(i + n, num_layers), True) for i in range(0, num_layers, n)]
+        spans = [(i, i + 1, True) for i in range(min(n, num_layers))]
+        return spans + ([(n, num_layers, False)] if n < num_layers else [])
+
+
+def checkpoint_with_rng(fn: Callable[..., torch.Tensor], rng_tracker: RNGTracker, *args: Any) -> torch.Tensor:
+    """`fn(*args)`, keeping only `args` for the backward, which reruns `fn` to rebuild what it saved.
+
+    The rerun must draw the same dropout masks. `torch.utils.checkpoint` restores the default generators
+    (`preserve_rng_state`); the tracker's named streams (TP-split dropout) have moved on by the time the
+    backward runs, so they are snapshot when the forward starts, swapped in for the rerun, and the
+    streams' current states put back after it.
+    """
+    snapshot: dict = {}
+
+    @contextlib.contextmanager
+    def forward_context() -> Iterator[None]:
+        snapshot.update(rng_tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute_context() -> Iterator[None]:
+        current = rng_tracker.get_states()
+        rng_tracker.set_states(snapshot)
+        try:
+            yield
+        finally:
+            rng_tracker.set_states(current)
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (forward_context(), recompute_context()))
+
+
 class Embedding(nn.Module):
     """Word embedding (vocabulary split over TP) plus, for GPT, a learned position table.
 
@@ -197,6 +288,7 @@ class SelfAttention(nn.Module):
         rotary: Optional[Rotary],
         cu_seqlens: Optional[torch.Tensor],
         max_seqlen: Optional[int],
+        recompute_core: bool = False,
     ) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, local_groups * (heads_per_group + 2) * d], s the full sequence
         s, b = qkv.shape[:2]
@@ -205,15 +297,25 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if recompute_core and torch.is_grad_enabled():
+            out = checkpoint_with_rng(self._core, self.rng_tracker, q, k, v, cu_seqlens, max_seqlen)
+        else:
+            out = self._core(q, k, v, cu_seqlens, max_seqlen)
+        return self.linear_proj(out.transpose(0, 1).reshape(s, b, -1))
+
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+        max_seqlen: Optional[int],
+    ) -> torch.Tensor:
+        """Attention of `[s, b, heads, d]` q, k, v; returns `[b, s, heads, d]`."""
         dropout_p = self.dropout if self.training else 0.0
         # Each TP rank holds different heads, so their probability dropout masks must differ.
         with _fork_if(dropout_p > 0.0, self.rng_tracker):
-            out = attention(
+            return attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 causal=True, dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 backend=self.backend,
             )
-        return self.linear_proj(out.transpose(0, 1).reshape(s, b, -1))
 
 
 class MLP(nn.Module):
@@ -276,8 +378,10 @@ class TransformerLayer(nn.Module):
         rotary: Optional[Rotary],
         cu_seqlens: Optional[torch.Tensor],
         max_seqlen: Optional[int],
+        recompute_attention_core: bool = False,
     ) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, cu_seqlens, max_seqlen))
+        attn = self.self_attention(self.input_layernorm(x), rotary, cu_seqlens, max_seqlen, recompute_attention_core)
+        x = x + self._dropout(attn)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,7 +411,8 @@ class StageModel(nn.Module):
     the embedding group) so they stay equal. On a stage holding both, it is a single parameter.
 
     Weights are left uninitialised unless `seed` is given (then `init_stage_weights(self, seed)`), so a
-    model about to load a checkpoint pays nothing for initialisation.
+    model about to load a checkpoint pays nothing for initialisation. `recompute` (see `RecomputeConfig`)
+    is read at every forward, so it may also be changed on a built model.
     """
 
     def __init__(
@@ -320,6 +425,7 @@ class StageModel(nn.Module):
         device: Optional[torch.device] = None,
         seed: Optional[int] = None,
         rng_tracker: Optional[RNGTracker] = None,
+        recompute: Optional[RecomputeConfig] = None,
     ):
         super().__init__()
         tp = tp_size(tp_group)
@@ -340,6 +446,7 @@ class StageModel(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.rng_tracker = rng_tracker if rng_tracker is not None else get_rng_tracker()
+        self.recompute = recompute if recompute is not None else RecomputeConfig()
         tied = not config.untie_embeddings_and_output_weights
 
         self.embedding: Optional[Embedding] = None
@@ -380,13 +487,38 @@ class StageModel(nn.Module):
         rotary = None
         if self.config.position_embedding_type == "rope":
             rotary = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
-        for layer in self.layers.values():
-            hidden = layer(hidden, rotary, batch.get("cu_seqlens"), batch.get("max_seqlen"))
+        hidden = self._run_layers(hidden, rotary, batch.get("cu_seqlens"), batch.get("max_seqlen"))
         if not self.spec.has_head:
             return hidden
 
         logits = self._logits(self.final_layernorm(hidden))  # [s, b, V/tp]
         return vocab_parallel_cross_entropy(logits, batch["labels"].t(), self.tp_group).t()
+
+    def _run_layers(
+        self, hidden: torch.Tensor, rotary: Optional[Rotary], cu_seqlens: Optional[torch.Tensor],
+        max_seqlen: Optional[int],
+    ) -> torch.Tensor:
+        layers = list(self.layers.values())
+        selective = self.recompute.granularity == "selective"
+        cos, sin = rotary if rotary is not None else (None, None)
+
+        def span(start: int, end: int) -> Callable[..., torch.Tensor]:
+            # Tensors travel as separate arguments so a checkpoint saves (and the store counts) each one.
+            def run(x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                    cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int]) -> torch.Tensor:
+                rot = None if cos is None else (cos, sin)
+                for layer in layers[start:end]:
+                    x = layer(x, rot, cu_seqlens, max_seqlen, selective)
+                return x
+            return run
+
+        for start, end, checkpointed in self.recompute.checkpointed_spans(len(layers)):
+            args = (hidden, cos, sin, cu_seqlens, max_seqlen)
+            if checkpointed and torch.is_grad_enabled():
+                hidden = checkpoint_with_rng(span(start, end), self.rng_tracker, *args)
+            else:
+                hidden = span(start, end)(*args)
+        return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.output_layer is not None:

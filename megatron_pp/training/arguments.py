@@ -41,18 +41,6 @@ from megatron_pp.schedules.registry import schedule_options
 # derived from precision flags).
 _SPECIAL_FIELDS = {"add_bias_linear", "untie_embeddings_and_output_weights", "params_dtype"}
 
-# Declared and validated here, but the training loop does not act on them until the mixed-precision,
-# optimizer/LR-schedule, data-parallel and recompute work is wired in: rejected rather than ignored.
-NOT_WIRED_YET = {
-    "fp16": "--fp16 (dynamic loss scaling)",
-    "use_distributed_optimizer": "--use-distributed-optimizer",
-    "overlap_grad_reduce": "--overlap-grad-reduce",
-    "recompute_granularity": "--recompute-granularity",
-    "lr_decay_iters": "--lr-decay-iters",
-    "lr_decay_samples": "--lr-decay-samples",
-    "lr_warmup_samples": "--lr-warmup-samples",
-}
-
 
 def _field_docs() -> dict[str, str]:
     """Attribute docstrings of TransformerConfig (the string literal after each field)."""
@@ -575,9 +563,6 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors += model_errors
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
-    not_wired = [what for name, what in NOT_WIRED_YET.items() if getattr(args, name)]
-    not_wired += ["--lr-decay-style WSD"] if args.lr_decay_style == "WSD" else []
-    errors += [f"{what} is declared but not wired into the training loop yet" for what in not_wired]
     return errors
 
 

@@ -13,12 +13,14 @@ rank, the head's copy is replaced here by the embedding's parameter itself, so t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec
-from megatron_pp.models.transformer import StageModel
+from megatron_pp.models.transformer import RecomputeConfig, StageModel
 from megatron_pp.schedules.ir import Schedule
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -32,6 +34,7 @@ def build_model_chunks(
     *,
     seed: int,
     sequence_parallel: bool = False,
+    recompute: Optional[RecomputeConfig] = None,
 ) -> list[nn.Module]:
     if len(layout) != schedule.num_stages:
         raise ValueError(f"layout has {len(layout)} stages but schedule {schedule.name} has {schedule.num_stages}")
@@ -40,7 +43,7 @@ def build_model_chunks(
         spec = layout[schedule.stage_of(state.pp_rank, c)]
         chunks.append(
             StageModel(config, spec, tp_group=state.tp_group, sequence_parallel=sequence_parallel,
-                       device=state.device, seed=seed)
+                       device=state.device, seed=seed, recompute=recompute)
         )
     if not config.untie_embeddings_and_output_weights:
         _tie_embeddings(chunks, schedule, state)

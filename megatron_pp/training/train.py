@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_pp.core.grads import clip_gradients, finalize_gradients, global_grad_norm, unique_parameters
+from megatron_pp.core.grads import finalize_gradients, unique_parameters
 from megatron_pp.core.p2p import PipelineComm, Transfer
 from megatron_pp.core.parallel_state import ParallelState, init_distributed
 from megatron_pp.core.tensor_parallel import model_parallel_seed
 from megatron_pp.data.mock import mock_sample
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
+from megatron_pp.models.transformer import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.registry import build_schedule, options_from_args
@@ -59,7 +60,7 @@ from megatron_pp.training.checkpointing import (
 from megatron_pp.training.flops import IterationFlops, iteration_flops, peak_tflops
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.model import build_model_chunks
-from megatron_pp.training.optimizer import MixedPrecisionOptimizer, learning_rate
+from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, TrainingOptimizer, build_optimizer
 from megatron_pp.training.signals import ExitConditions
 
 FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
@@ -100,6 +101,7 @@ def build_pipeline(
     last_stage_layers: Optional[int] = None,
     account_for_embedding: bool = False,
     account_for_loss: bool = False,
+    recompute: Optional[RecomputeConfig] = None,
     trace: bool = False,
 ) -> Pipeline:
     layout = split_layers(
@@ -107,7 +109,8 @@ def build_pipeline(
         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
         account_for_embedding=account_for_embedding, account_for_loss=account_for_loss,
     )
-    chunks = build_model_chunks(config, layout, schedule, state, seed=seed, sequence_parallel=sequence_parallel)
+    chunks = build_model_chunks(config, layout, schedule, state, seed=seed, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
     seq = config.seq_length // state.tp_size if sequence_parallel else config.seq_length
     comm = PipelineComm(state.pp_group, state.pp_ranks) if state.pp_size > 1 else None
     executor = PipelineExecutor(
@@ -214,16 +217,27 @@ def global_token_count(microbatches: Sequence[dict], state: ParallelState) -> fl
     return float(count)
 
 
-def train_step(pipe: Pipeline, microbatches: Sequence[dict]) -> tuple[StepResult, float]:
+def train_step(
+    pipe: Pipeline, microbatches: Sequence[dict], optimizer: Optional[TrainingOptimizer] = None
+) -> tuple[StepResult, float]:
     """Forward and backward of one global batch; gradients are final (reduced) on return.
 
+    With an optimizer, its `GradientReducer` owns the gradients (bucketed, overlapping the backward
+    when --overlap-grad-reduce, reduce-scattered under the distributed optimizer) and the loss is
+    multiplied by its loss scale (fp16). Without one, `.grad` is reduced synchronously by
+    `finalize_gradients` (the plain path that benchmarks and exactness tests use).
     Returns the executor's result and the global token count used to normalise the loss.
     """
-    for p in unique_parameters(pipe.chunks):
-        p.grad = None
     tokens = global_token_count(microbatches, pipe.state)
-    result = pipe.executor.run(microbatches, loss_scale=1.0 / tokens)
-    finalize_gradients(pipe.chunks, pipe.state)
+    if optimizer is None:
+        for p in unique_parameters(pipe.chunks):
+            p.grad = None
+        result = pipe.executor.run(microbatches, loss_scale=1.0 / tokens)
+        finalize_gradients(pipe.chunks, pipe.state)
+        return result, tokens
+    optimizer.reducer.start_step(len(microbatches))
+    result = pipe.executor.run(microbatches, loss_scale=optimizer.loss_multiplier / tokens)
+    optimizer.reducer.finish()
     return result, tokens
 
 
@@ -267,26 +281,6 @@ def step_metrics(pipe: Pipeline, result: StepResult, tokens: float) -> StepMetri
     )
 
 
-class _OptimizerCheckpointState:
-    """`state_dict`/`load_state_dict` for today's `MixedPrecisionOptimizer`, which has neither: the
-    inner torch optimizer's state plus the fp32 main weights (when the model is not fp32).
-    `optimizer.TrainingOptimizer` provides both itself; this goes when the loop switches to it."""
-
-    def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict:
-        main = [p.detach() for p in self.optimizer.main_params] if self.optimizer.needs_main else []
-        return {"optimizer": self.optimizer.optimizer.state_dict(), "main_params": main}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        if self.optimizer.needs_main:
-            for param, saved in zip(self.optimizer.main_params, state["main_params"], strict=True):
-                param.copy_(saved)
-        self.optimizer.optimizer.load_state_dict(state["optimizer"])
-
-
 @dataclass
 class Progress:
     """Where training stands: completed iterations and the samples they consumed."""
@@ -302,7 +296,8 @@ class Trainer:
     args: argparse.Namespace
     pipe: Pipeline
     data: TrainingData
-    optimizer: MixedPrecisionOptimizer
+    optimizer: TrainingOptimizer
+    lr_schedule: LRSchedule
     checkpoint: TrainingState
     flops: IterationFlops
     peak_tflops: Optional[float]
@@ -325,11 +320,10 @@ class Trainer:
         start = time.perf_counter()
         microbatches = self.data.microbatches(self.data.train, self.progress.consumed_samples, state.dp_rank,
                                               state.device)
-        lr = learning_rate(args, self.progress.iteration)
-        result, tokens = train_step(pipe, microbatches)
-        grad_norm = global_grad_norm(pipe.chunks, state)
-        clip_gradients(pipe.chunks, args.clip_grad, grad_norm)
-        self.optimizer.step(lr)
+        iteration = self.progress.iteration + 1
+        lr = self.lr_schedule.learning_rate(iteration, self.progress.consumed_samples + args.global_batch_size)
+        result, tokens = train_step(pipe, microbatches, self.optimizer)
+        outcome = self.optimizer.step(lr)
         metrics = step_metrics(pipe, result, tokens)
         step_time = time.perf_counter() - start
         self.progress.iteration += 1
@@ -342,11 +336,11 @@ class Trainer:
             "iteration": self.progress.iteration,
             "consumed_samples": self.progress.consumed_samples,
             "loss": metrics.loss,
-            "grad_norm": grad_norm,
+            "grad_norm": outcome.grad_norm,
             "lr": lr,
             "global_batch_size": args.global_batch_size,
-            "loss_scale": 1.0,
-            "skipped": False,
+            "loss_scale": 1.0 if outcome.loss_scale is None else outcome.loss_scale,  # 1.0: no loss scaling
+            "skipped": outcome.skipped,
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
             "tflops_per_gpu": tflops,
@@ -540,6 +534,16 @@ def seed_everything(seed: int, state: ParallelState) -> None:
     model_parallel_seed(seed, state.tp_rank, state.pp_rank)
 
 
+def _recomputed_layers(recompute: RecomputeConfig, pipe: Pipeline) -> Optional[int]:
+    """Layers of the whole model re-run in the backward under full recompute (None: all of them).
+
+    Block recompute checkpoints the first N layers of every stage, so fewer than all layers re-run.
+    """
+    if recompute.granularity != "full" or recompute.method != "block":
+        return None
+    return sum(min(recompute.num_layers, spec.num_layers) for spec in pipe.layout)
+
+
 def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) -> list[dict]:
     """Run the configured training job; returns rank 0's metric rows (training and evaluation; empty
     on other ranks). `args` come from `parse_args`; `state` is built here unless given (by an embedding
@@ -552,19 +556,23 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
     config, data = build_config_and_data(args, state)
     schedule = build_schedule(args.pipeline_schedule, state.pp_size, data.num_microbatches, num_chunks(args, config),
                               **options_from_args(args, args.pipeline_schedule))
+    recompute = RecomputeConfig(
+        args.recompute_granularity, args.recompute_method,
+        (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
+    )
     pipe = build_pipeline(
         config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel, recompute=recompute,
         first_stage_layers=args.decoder_first_pipeline_num_layers,
         last_stage_layers=args.decoder_last_pipeline_num_layers,
         account_for_embedding=args.account_for_embedding_in_pipeline_split,
         account_for_loss=args.account_for_loss_in_pipeline_split,
         trace=bool(args.trace_file),
     )
-    optimizer = MixedPrecisionOptimizer.from_args(unique_parameters(pipe.chunks), args)
+    optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     checkpoint = TrainingState(
         chunks=pipe.chunks, stage_ids=pipe.stage_ids, stages=pipe.layout, placement=schedule.placement,
-        state=state, config=config, schedule_name=schedule.name, optimizer=_OptimizerCheckpointState(optimizer),
+        state=state, config=config, schedule_name=schedule.name, optimizer=optimizer,
         optimizer_sharded_by_dp=args.use_distributed_optimizer,
     )
     logger = None
@@ -575,8 +583,10 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
             wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
             wandb_save_dir=args.wandb_save_dir, run_config=_json_safe(vars(args)),
         )
-    trainer = Trainer(args, pipe, data, optimizer, checkpoint,
-                      flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size),
+    trainer = Trainer(args, pipe, data, optimizer, LRSchedule.from_args(args), checkpoint,
+                      flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
+                                            recompute_granularity=recompute.granularity,
+                                            recomputed_layers=_recomputed_layers(recompute, pipe)),
                       peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=logger)
     try:
         trainer.log(

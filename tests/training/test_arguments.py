@@ -82,9 +82,8 @@ BAD = [
     (["--data-path", "/nonexistent/corpus"], "--data-path: /nonexistent/corpus.bin: no such file"),
     (["--pipeline-schedule", "1f1b", "--microbatch-group-size-per-vp-stage", "4"],
      "--microbatch-group-size-per-vp-stage does not apply to --pipeline-schedule 1f1b"),
-    # Flags of features the loop does not run yet: refused, never silently ignored.
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer is declared but not wired"),
-    (["--recompute-granularity", "selective"], "--recompute-granularity is declared but not wired"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"], "applies to --recompute-granularity full"),
 ]
 
 
@@ -231,5 +230,4 @@ def test_launch_examples_pass_validation(tmp_path, monkeypatch, script, world):
     args = build_parser().parse_args(flags)
     assert args.data_path == [str(tmp_path / "corpus")] and args.save == str(tmp_path / "ckpt")
     assert args.num_layers == {"gpt3_175b.sh": 96, "llama_3_8b.sh": 32}[script]
-    errors = validate_args(args)
-    assert all("not wired into the training loop yet" in e for e in errors), errors
+    assert validate_args(args) == []

@@ -61,6 +61,11 @@ def _single_process_losses(argv):
     ("llama-tiny", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                     "--pipeline-schedule", "interleaved-1f1b"]),
     ("llama-tiny", ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "gpipe"]),
+    # dp = 2: ZeRO-1 sharded update with bucketed reduction overlapping the backward.
+    ("gpt-tiny", ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    ("llama-tiny", ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                    "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform"]),
+    ("gpt-tiny", ["--pipeline-model-parallel-size", "4", "--recompute-granularity", "selective"]),
 ])
 def test_training_is_layout_independent(flavour, layout):
     """Three optimizer steps give the same losses as one process (exact schedules, fp32, Adam + clipping)."""
@@ -80,6 +85,16 @@ def test_bf16_pipeline_tracks_fp32():
     for step, (a, b) in enumerate(zip(bf16, reference)):
         assert abs(a - b) <= 2e-2 * abs(b), (step, bf16, reference)
     assert bf16 != reference  # it really ran in bf16
+
+
+def test_fp16_with_dynamic_loss_scale_tracks_fp32():
+    """fp16 weights, dynamic loss scaling and fp32 main weights through a pipeline stay near fp32."""
+    argv = ["--model-preset", "gpt-tiny", *COMMON, "--global-batch-size", "8"]
+    reference = _single_process_losses(argv)
+    fp16 = run_distributed(4, _pretrain_losses, argv + ["--fp16", "--pipeline-model-parallel-size", "2"])[0]
+    for step, (a, b) in enumerate(zip(fp16, reference)):
+        assert abs(a - b) <= 1e-2 * abs(b), (step, fp16, reference)
+    assert fp16 != reference
 
 
 BAD = [
