@@ -11,7 +11,4 @@ import sys
 from megatron_pp.training.train import main
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if not any(a.startswith("--model-preset") or a.startswith("--num-layers") for a in argv):
-        argv = ["--model-preset", "gpt-tiny"] + argv
-    main(argv, description=__doc__.splitlines()[0])
+    main(sys.argv[1:], description=__doc__.splitlines()[0], default_preset="gpt-tiny")

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import shlex
 import sys
 import sysconfig
 import tempfile
@@ -173,4 +174,4 @@ def demo_flags(info: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    print(" ".join(demo_flags(prepare_demo_data(sys.argv[1] if len(sys.argv) > 1 else "runs/demo-data"))))
+    print(shlex.join(demo_flags(prepare_demo_data(sys.argv[1] if len(sys.argv) > 1 else "runs/demo-data"))))
