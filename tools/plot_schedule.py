@@ -2,13 +2,19 @@
 
     python tools/plot_schedule.py --schedule interleaved-1f1b --pp 4 --microbatches 8 --chunks 2 \\
         --out docs/img/schedule_interleaved.png --json schedule.json
+    python tools/plot_schedule.py --compare interleaved-1f1b,gis,gis-h,po-h,po-f --pp 4 --microbatches 8 \\
+        --chunks 4 --out docs/img/pipeoffload_memory.png
 
-The schedule is built exactly as training builds it (generator, communication pass, validation), then
+The schedule is built exactly as training builds it (generator, passes, communication, validation), then
 timed by the simulator. The top panel has one row per rank with a box per compute action, coloured by
-microbatch (backwards lighter and hatched), so bubbles show as empty space; the bottom panel shows how
-many (microbatch, chunk) stashes each rank holds over time. `--json` writes the validated action lists
-in text form with makespan, bubble fraction, peak stashes and the options. Bad input prints one line on
-stderr and exits with status 2.
+microbatch (backwards lighter and hatched), so bubbles show as empty space; stash transfers (OFFLOAD,
+RELOAD, EVICT, LOAD) are thin bars on a lane under their rank's row. The bottom panel shows how many
+(microbatch, chunk) stashes each rank holds in device memory over time. `--compare` draws several
+schedules' stash curves side by side on one scale instead. `--offload-time` is the one-way transfer time
+of a stash in units of its chunk's forward (default 0.25): it times the transfers and, for schedules that
+take it, places them. `--json` writes the validated action lists in text form with makespan, bubble
+fraction, peak stashes and the options (with `--compare`, one such record per schedule). Bad input
+prints one line on stderr and exits with status 2.
 """
 from __future__ import annotations
 
@@ -24,9 +30,9 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
-from megatron_pp.schedules.ir import Op, Schedule  # noqa: E402
-from megatron_pp.schedules.registry import build_schedule, registered_schedules  # noqa: E402
-from megatron_pp.schedules.simulate import CostModel, SimResult, simulate  # noqa: E402
+from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule  # noqa: E402
+from megatron_pp.schedules.registry import build_schedule, get_schedule, registered_schedules  # noqa: E402
+from megatron_pp.schedules.simulate import DEFAULT_TRANSFER, CostModel, SimResult, simulate  # noqa: E402
 
 _PROG = "plot_schedule.py"
 
@@ -34,8 +40,10 @@ _PROG = "plot_schedule.py"
 def build_parser() -> argparse.ArgumentParser:
     known = " | ".join(f"{e.name}: {e.description}" for e in registered_schedules())
     parser = OneLineArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", "--pipeline-schedule", dest="schedule", required=True,
+    parser.add_argument("--schedule", "--pipeline-schedule", dest="schedule", default=None,
                         help=f"registered schedule name or alias ({known})")
+    parser.add_argument("--compare", default=None, metavar="NAME,NAME,...",
+                        help="instead of --schedule: several schedules' stash curves side by side")
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks p")
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step m")
     parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank v (default 1)")
@@ -45,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--forward-time", type=float, default=CostModel.forward, help="F per chunk (default 1)")
     parser.add_argument("--backward-time", type=float, default=CostModel.backward, help="B per chunk (default 2)")
     parser.add_argument("--p2p-latency", type=float, default=CostModel.p2p_latency, help="send latency (default 0)")
+    parser.add_argument("--offload-time", type=float, default=None,
+                        help="one-way stash transfer time in units of its chunk's forward "
+                             f"(default {DEFAULT_TRANSFER})")
     parser.add_argument("--stage-weights", default=None, metavar="W0,W1,...",
                         help="per global stage multiplier of compute times (e.g. layers per stage)")
     parser.add_argument("--out", required=True, help="PNG file to write")
@@ -78,22 +89,38 @@ def _parse_weights(text: str | None) -> list[float] | None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if (args.schedule is None) == (args.compare is None):
+            raise UsageError("give exactly one of --schedule and --compare")
         options = _parse_options(args.option)
-        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.chunks, **options)
         costs = CostModel(forward=args.forward_time, backward=args.backward_time, p2p_latency=args.p2p_latency,
-                          stage_weights=_parse_weights(args.stage_weights))
-        result = simulate(schedule, costs)
-        draw(schedule, result, args.out)
+                          stage_weights=_parse_weights(args.stage_weights), transfer=args.offload_time)
+        names = [args.schedule] if args.compare is None else [n.strip() for n in args.compare.split(",") if n.strip()]
+        runs = []
+        for name in names:
+            opts = dict(options)
+            if args.offload_time is not None and "offload_time" in get_schedule(name).options:
+                opts.setdefault("offload_time", args.offload_time)  # place the copies as they are timed
+            schedule = build_schedule(name, args.pp, args.microbatches, args.chunks, **opts)
+            runs.append((schedule, simulate(schedule, costs)))
+        if args.compare is None:
+            draw(*runs[0], args.out)
+        else:
+            draw_comparison(runs, args.out)
         if args.json:
-            record = to_json(schedule, result, costs)
-            # One key per line and one line per rank's list, so two runs diff action by action.
-            lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in record.items() if key != "actions"]
-            lines.append(' "actions": [\n  ' + ",\n  ".join(json.dumps(acts) for acts in record["actions"]) + "\n ]")
-            Path(args.json).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+            records = [to_json(schedule, result, costs) for schedule, result in runs]
+            Path(args.json).write_text(_format_json(records[0]) if args.compare is None else
+                                       "[\n" + ",\n".join(_format_json(r) for r in records) + "]\n")
     except (UsageError, ValueError, OSError) as err:
         print(f"{_PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0
+
+
+def _format_json(record: dict) -> str:
+    # One key per line and one line per rank's list, so two runs diff action by action.
+    lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in record.items() if key != "actions"]
+    lines.append(' "actions": [\n  ' + ",\n  ".join(json.dumps(acts) for acts in record["actions"]) + "\n ]")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def to_json(schedule: Schedule, result: SimResult, costs: CostModel) -> dict:
@@ -105,17 +132,21 @@ def to_json(schedule: Schedule, result: SimResult, costs: CostModel) -> dict:
         "options": schedule.options,
         "placement": [list(loc) for loc in schedule.placement],
         "costs": {"forward": costs.forward, "backward": costs.backward, "p2p_latency": costs.p2p_latency,
-                  "stage_weights": None if costs.stage_weights is None else list(costs.stage_weights)},
+                  "stage_weights": None if costs.stage_weights is None else list(costs.stage_weights),
+                  "transfer": costs.transfer},
         "actions": [[str(a) for a in acts] for acts in schedule.actions],
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,
         "busy": result.busy,
         "peak_stash": result.peak_stash,
+        "peak_parked": result.peak_parked,
+        "transfer_busy": result.transfer_busy,
     }
 
 
 _HATCH = {Op.F: None, Op.B: "///", Op.BI: "\\\\\\", Op.BW: "xxx"}
 _LIGHTEN = {Op.F: 0.0, Op.B: 0.45, Op.BI: 0.45, Op.BW: 0.65}
+_TRANSFER_COLOUR = {Op.OFFLOAD: "#444444", Op.RELOAD: "#999999", Op.EVICT: "#7a3b00", Op.LOAD: "#d9a066"}
 
 
 def draw(schedule: Schedule, result: SimResult, path: str) -> None:
@@ -145,8 +176,15 @@ def draw(schedule: Schedule, result: SimResult, path: str) -> None:
     px_per_unit = ax_time.get_window_extent().width / span
     font = 7
     seen_ops: set[Op] = set()
+    seen_transfers: set[Op] = set()
     for rank, entries in enumerate(result.timeline):
         for action, start, end in entries:
+            if action.op in TRANSFER_OPS and end > start:
+                # The copy lane: a thin bar under the rank's compute row.
+                seen_transfers.add(action.op)
+                ax_time.broken_barh([(start, end - start)], (rank + 0.42, 0.12),
+                                    facecolors=[_TRANSFER_COLOUR[action.op]], linewidth=0)
+                continue
             if not action.is_compute or end <= start:
                 continue
             seen_ops.add(action.op)
@@ -159,10 +197,12 @@ def draw(schedule: Schedule, result: SimResult, path: str) -> None:
                              bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.4, "linewidth": 0}
                              if action.op is not Op.F else None)
     ax_time.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax_time.set_ylim(p - 0.5, -0.5)
+    ax_time.set_ylim(p - 0.4 if seen_transfers else p - 0.5, -0.5)
     ax_time.set_xlim(0, span)
     ax_time.legend(handles=[Patch(facecolor=colour(op, 0), edgecolor="black", hatch=_HATCH[op], label=op.value)
-                            for op in (Op.F, Op.B, Op.BI, Op.BW) if op in seen_ops],
+                            for op in (Op.F, Op.B, Op.BI, Op.BW) if op in seen_ops]
+                   + [Patch(facecolor=_TRANSFER_COLOUR[op], label=f"{op.value} (copy lane)")
+                      for op in (Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD) if op in seen_transfers],
                    loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="colour = microbatch",
                    title_fontsize=7)
     options = ", ".join(f"{k}={v}" for k, v in schedule.options.items())
@@ -170,16 +210,52 @@ def draw(schedule: Schedule, result: SimResult, path: str) -> None:
                       f" | makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}", fontsize=10)
 
     for rank, curve in enumerate(result.memory):
-        # A B ending when the next F starts gives two points at one time; draw only the level after both.
-        level_at = dict(curve)
-        times = list(level_at) + [span]
-        levels = list(level_at.values()) + [curve[-1][1]]
-        ax_mem.step(times, levels, where="post", label=f"rank {rank} (peak {result.peak_stash[rank]})")
+        times, levels = _step_points(curve, span)
+        parked = f", {result.peak_parked[rank]} parked" if result.peak_parked and result.peak_parked[rank] else ""
+        ax_mem.step(times, levels, where="post", label=f"rank {rank} (peak {result.peak_stash[rank]}{parked})")
     ax_mem.set_ylabel("resident stashes")
     ax_mem.set_xlabel("time (cost-model units; default F = 1, B = 2 per chunk)")
     ax_mem.set_ylim(bottom=0)
     ax_mem.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax_mem.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _step_points(curve: list[tuple[float, int]], span: float) -> tuple[list[float], list[int]]:
+    # Several changes at one time (a B ending as the next F starts): draw only the level after all of them.
+    level_at = dict(curve)
+    return list(level_at) + [span], list(level_at.values()) + [curve[-1][1]]
+
+
+def draw_comparison(runs: list[tuple[Schedule, SimResult]], path: str) -> None:
+    """Stash curves of several schedules side by side, one panel each, on one y scale (rank 0 bold)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(max(result.peak_stash) for _, result in runs)
+    base = runs[0][1].peak_stash[0]
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.4 * len(runs) + 1.0, 3.6), sharey=True, squeeze=False)
+    for ax, (schedule, result) in zip(axes[0], runs):
+        span = result.makespan if result.makespan > 0 else 1.0
+        for rank, curve in enumerate(result.memory):
+            times, levels = _step_points(curve, span)
+            ax.step(times, levels, where="post", linewidth=2.2 if rank == 0 else 0.9,
+                    label=f"rank {rank}: {result.peak_stash[rank]}")
+        share = f" = {result.peak_stash[0] / base:.0%} of {runs[0][0].name}" if schedule is not runs[0][0] else ""
+        ax.set_title(f"{schedule.name}: rank 0 peak {result.peak_stash[0]}{share}\nmakespan {result.makespan:g}, "
+                     f"bubble {result.bubble_fraction:.1%}", fontsize=9)
+        ax.set_xlabel("time (F = 1 per chunk)")
+        ax.set_ylim(0, top + 1)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0][0].set_ylabel("resident chunk stashes")
+    s0 = runs[0][0]
+    fig.suptitle(f"p={s0.num_ranks}, m={s0.num_microbatches}, v={s0.num_chunks}: device-resident stashes per rank",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,7 +17,7 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError
 
 Message = tuple[str, int, int]
 """What travels on a link: ("F" activation | "B" gradient, microbatch, global stage that produced it)."""
@@ -227,11 +227,17 @@ def insert_communication(schedule: Schedule) -> Schedule:
     lists: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):
         out: list[Action] = []
+        sends: list[Action] = []
         for i, a in enumerate(acts):
+            # Stash transfers issued after a compute go before its sends, so that they never split the
+            # batch of those sends with the next compute's receives (the pairing that avoids deadlocks).
+            if a.op not in TRANSFER_OPS:
+                out += sends
+                sends = []
             out += recvs_before[rank].get(i, [])
             out.append(a)
-            out += sends_after[rank].get(i, [])
-        lists.append(out)
+            sends += sends_after[rank].get(i, [])
+        lists.append(out + sends)
 
     replay = RendezvousReplay(lists)
     while blocked := replay.run():

@@ -10,6 +10,20 @@ Per (microbatch, local chunk) the executor keeps the chunk's input (a leaf requi
 gradient of that output once received. A chunk whose neighbour stage sits on the same rank hands
 tensors over in memory instead of communicating.
 
+Split backward (BI, BW) and the stash: BI runs the chunk's whole backward, input and weight gradients in
+one autograd pass, and BW only releases the stash. The GIS/PO schedules always put BW right after its BI,
+so this is exact (the very same autograd call as B) and costs nothing extra; computing the input gradient
+alone (`torch.autograd.grad(out, x, retain_graph=True)`) and then the weight gradients would re-run the
+whole backward chain a second time (≈ 1.5× the backward's work), and deferring only the weight-gradient
+GEMMs needs the linear layers to cooperate. The price is that BI's measured time holds the weight
+gradients too: give the simulator measured costs (BI = t_B, BW ≈ 0) when comparing with a trace. The
+stash counts as live until BW, as the schedule says.
+
+Stash transfers: when the list has OFFLOAD actions the executor uses an `OffloadStore` (unless a store
+is passed) and tells it which stashes will move; OFFLOAD hands it the stash plus the tensors that must
+stay on the device (the microbatch's batch tensors and the chunk output still to be sent), RELOAD asks
+for it back, and autograd waits for the reload when it first reads a saved tensor.
+
 Loss convention: the last stage returns a per-token loss `[b, s]`; the executor reduces it to
 `sum(loss * loss_mask) * loss_scale`, where the caller passes `loss_scale = 1 / (tokens in the global
 batch)` (times a loss-scaling factor under fp16). Gradients summed over microbatches and data-parallel
@@ -26,6 +40,7 @@ from torch import nn
 
 from megatron_pp.core.p2p import PipelineComm, Transfer, release_storage
 from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.offload_store import OffloadStore
 from megatron_pp.schedules.store import ActivationStore
 
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
@@ -35,10 +50,11 @@ COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 class StepResult:
     loss_sum: Optional[torch.Tensor]  # sum of masked per-token losses over my microbatches (last stage)
     token_count: Optional[torch.Tensor]
-    peak_stash_bytes: int
+    peak_stash_bytes: int  # device-resident (with offload: not counting what sits in host memory)
     peak_stash_count: int
     comm_wait_s: float
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end), seconds
+    peak_host_bytes: int = 0  # host buffers holding offloaded stashes (PipeOffload), peak over the step
 
 
 class PipelineExecutor:
@@ -67,12 +83,21 @@ class PipelineExecutor:
         self.dtype = dtype
         self.device = device
         self.trace = trace
-        self.store = store or ActivationStore()
+        self.actions = schedule.actions[pp_rank]
+        offloaded = {(a.microbatch, a.chunk) for a in self.actions if a.op is Op.OFFLOAD}
+        self.store = store or (OffloadStore(device=device) if offloaded else ActivationStore())
+        if offloaded:
+            if not isinstance(self.store, OffloadStore):
+                raise ValueError(f"--pipeline-schedule {schedule.name} offloads stashes, which needs an OffloadStore "
+                                 f"(got {type(self.store).__name__})")
+            self.store.plan(offloaded)
         for module in self.chunks:
             self.store.exclude(module.parameters())
             self.store.exclude(module.buffers())
-        self.handlers: dict[Op, Callable[[Action], None]] = {Op.F: self._forward, Op.B: self._backward}
-        self.actions = schedule.actions[pp_rank]
+        self.handlers: dict[Op, Callable[[Action], None]] = {
+            Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward_input, Op.BW: self._backward_weight,
+            Op.OFFLOAD: self._offload, Op.RELOAD: self._reload,
+        }
         unsupported = sorted({a.op.value for a in self.actions} - set(self.handlers) - COMM_OPS)
         if unsupported:
             raise ValueError(
@@ -133,6 +158,7 @@ class PipelineExecutor:
             peak_stash_count=self.store.peak_count,
             comm_wait_s=self._wait_s + (self.comm.wait_s if self.comm is not None else 0.0),
             events=events,
+            peak_host_bytes=getattr(self.store, "peak_host_bytes", 0),
         )
 
     # Compute ----------------------------------------------------------------------------------------------
@@ -169,6 +195,18 @@ class PipelineExecutor:
             self._inputs[(mb, self._next[c][1])] = y.detach()
 
     def _backward(self, action: Action) -> None:
+        self._backward_pass(action)
+        self.store.release((action.microbatch, action.chunk))
+
+    def _backward_input(self, action: Action) -> None:
+        # The whole backward (see the module docstring); its input gradient can be sent right after.
+        self._backward_pass(action)
+
+    def _backward_weight(self, action: Action) -> None:
+        # BI already accumulated the weight gradients; the stash lives until here, as scheduled.
+        self.store.release((action.microbatch, action.chunk))
+
+    def _backward_pass(self, action: Action) -> None:
         mb, c = action.microbatch, action.chunk
         key = (mb, c)
         out = self._outputs.pop(key)
@@ -176,7 +214,6 @@ class PipelineExecutor:
             torch.autograd.backward(out)
         else:
             torch.autograd.backward(out, self._take(self._grad_outputs, key))
-        self.store.release(key)
         if self._prev[c] is not None:
             grad = self._input_grads.pop(key).grad
             prev_rank, prev_chunk = self._prev[c]
@@ -184,6 +221,20 @@ class PipelineExecutor:
                 self._grad_outputs[(mb, prev_chunk)] = grad
             else:
                 self._input_grads[key] = grad
+
+    # Stash transfers --------------------------------------------------------------------------------------
+    def _offload(self, action: Action) -> None:
+        key = (action.microbatch, action.chunk)
+        # The batch feeds the microbatch's later chunks and the output may still be in flight to the next
+        # stage: both stay. The chunk input is ours alone (kept to read .grad): it moves, emptied in place.
+        keep = [t for t in self._microbatches[action.microbatch].values() if isinstance(t, torch.Tensor)]
+        if key in self._outputs:
+            keep.append(self._outputs[key])
+        private = [self._input_grads[key]] if key in self._input_grads else []
+        self.store.offload(key, keep, private)
+
+    def _reload(self, action: Action) -> None:
+        self.store.reload((action.microbatch, action.chunk))
 
     # Communication ----------------------------------------------------------------------------------------
     def _post_batch(self, batch: Sequence[Action]) -> None:

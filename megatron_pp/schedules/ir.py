@@ -70,6 +70,8 @@ COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 TRANSFER_OPS = frozenset({Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD})
 """Stash movements (PipeOffload, BPipe); they ride their own streams, not the pipeline batches."""
+RETURN_TRANSFER = {Op.OFFLOAD: Op.RELOAD, Op.EVICT: Op.LOAD}
+"""Outbound stash transfer (the stash leaves device memory) -> the inbound one that brings it back."""
 
 # Which fields each operation carries. The direction character is part of the peer syntax: '>' for
 # operations that push data to the peer, '<' for those that pull from it.

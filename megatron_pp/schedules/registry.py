@@ -23,7 +23,9 @@ from typing import Callable
 
 from megatron_pp.schedules.comm import insert_communication
 from megatron_pp.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
+from megatron_pp.schedules.gis import gis, min_group_size
 from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.offload import add_offload
 from megatron_pp.schedules.validate import validate
 
 
@@ -159,11 +161,59 @@ def _interleaved(num_ranks: int, num_microbatches: int, num_chunks: int,
     return interleaved_1f1b(num_ranks, num_microbatches, num_chunks, group_size=microbatch_group_size)
 
 
+def _one_f_one_b(num_ranks: int, num_microbatches: int, offload_chunks: int | None = None,
+                 offload_fraction: float | None = None, offload_time: float | None = None) -> Schedule:
+    # PipeOffload's Appendix A: every rank but the last two offloads; their stashes live too briefly.
+    return add_offload(one_f_one_b(num_ranks, num_microbatches), offload_chunks, offload_fraction=offload_fraction,
+                       offload_time=offload_time, ranks=range(num_ranks - 2))
+
+
+def _gis(num_ranks: int, num_microbatches: int, num_chunks: int, interleave_group_size: int | None = None,
+         offload_chunks: int | None = None, offload_fraction: float | None = None,
+         offload_time: float | None = None) -> Schedule:
+    return add_offload(gis(num_ranks, num_microbatches, num_chunks, interleave_group_size), offload_chunks,
+                       offload_fraction=offload_fraction, offload_time=offload_time)
+
+
+def _gis_h(num_ranks: int, num_microbatches: int, num_chunks: int, offload_chunks: int | None = None,
+           offload_fraction: float | None = None, offload_time: float | None = None) -> Schedule:
+    return _gis(num_ranks, num_microbatches, num_chunks, min_group_size(num_ranks), offload_chunks,
+                offload_fraction, offload_time)
+
+
+def _po_h(num_ranks: int, num_microbatches: int, num_chunks: int, offload_time: float | None = None) -> Schedule:
+    return _gis(num_ranks, num_microbatches, num_chunks, 1, offload_fraction=0.5, offload_time=offload_time)
+
+
+def _po_f(num_ranks: int, num_microbatches: int, num_chunks: int, offload_time: float | None = None) -> Schedule:
+    return _gis(num_ranks, num_microbatches, num_chunks, 1, offload_chunks=num_chunks, offload_time=offload_time)
+
+
 register_option("microbatch_group_size", "--microbatch-group-size-per-vp-stage", int,
                 "Interleaved 1F1B: microbatches per chunk group (default pp, depth-first; m gives breadth-first).")
+register_option("interleave_group_size", "--interleave-group-size", int,
+                "GIS: microbatches per group, ceil(pp/2)..pp (default pp; ceil(pp/2) is GIS-H) or 1 for the "
+                "uniform repeating order of PipeOffload.")
+register_option("offload_chunks", "--offload-chunks", int,
+                "Offload the stashes of each rank's first K chunks to host memory (PipeOffload; 1f1b: K=1 on "
+                "every rank but the last two).")
+register_option("offload_fraction", "--offload-fraction", float,
+                "Offload ceil(fraction x chunks per rank) chunks instead of --offload-chunks (0.5 = PO-H).")
+register_option("offload_time", "--offload-time", float,
+                "One-way transfer time of one chunk's stash in units of that chunk's forward time, used to place "
+                "the copies (default 0.25; measure with tools/bench_offload.py).")
 register_schedule("gpipe", gpipe, supports_virtual=False,
                   description="all forwards, then all backwards; m stashes on every rank")
-register_schedule("1f1b", one_f_one_b, aliases=("pipedream-flush",), supports_virtual=False,
+register_schedule("1f1b", _one_f_one_b, aliases=("pipedream-flush",), supports_virtual=False,
                   description="1F1B with flush (PipeDream-Flush, Megatron default); rank s holds p-s stashes")
 register_schedule("interleaved-1f1b", _interleaved, supports_virtual=True,
                   description="Megatron's interleaved 1F1B over v chunks per rank; bubble (p-1)/(v*m+p-1)")
+register_schedule("gis", _gis, supports_virtual=True,
+                  description="PipeOffload's generalized interleaved 1F1B (split backward, shorter warm-up); rank 0 "
+                              "holds g(v-1)+p chunk stashes; g=1 is the uniform repeating order")
+register_schedule("gis-h", _gis_h, supports_virtual=True,
+                  description="GIS with group size ceil(p/2): about half of interleaved 1F1B's memory")
+register_schedule("po-h", _po_h, supports_virtual=True,
+                  description="uniform repeating order, first ceil(v/2) chunks of every rank offloaded to host")
+register_schedule("po-f", _po_f, supports_virtual=True,
+                  description="uniform repeating order, every chunk offloaded to host (a few layers resident)")

@@ -1,19 +1,24 @@
 """The simulator: replays every rank's list with per-action durations and reports time and stash memory.
 
 Each rank runs its list in order on one compute stream. Sends are asynchronous: a send costs no compute
-time and its data reaches the peer `p2p_latency` later; a receive (or a batch of them) waits until the
-data of its matching send (same position on the same directed link) has arrived. Durations come from a
-`CostModel`: F=1, B=2, BI=1, BW=1 per chunk by default, optionally scaled per global stage or taken from a
-measured per-(op, stage) table or function. The result holds each rank's timeline, the makespan, busy
-time and bubble fraction, and the stash curve: the number of resident (microbatch, chunk) stashes over
-time, +1 when an F starts and -1 when its B (or BW, when the backward is split) ends.
+time and its data reaches the peer `p2p_latency` later. Receives are posted with their batch and the
+rank moves on; the compute that consumes a received tensor waits until every receive of that batch has
+arrived, as the executor does (it waits on a receive only when the consumer needs it, and on NCCL the
+members of a batch share one completion). Durations come from a `CostModel`: F=1, B=2, BI=1, BW=1 per
+chunk by default, optionally scaled per global stage or taken from a measured per-(op, stage) table or
+function. The result holds each rank's timeline, the makespan, busy time and bubble fraction, and the
+stash curve: the number of device-resident (microbatch, chunk) stashes over time, +1 when an F starts and
+-1 when its B (or BW, when the backward is split) ends.
 
-Extension point for stash transfers (OFFLOAD/RELOAD, EVICT/LOAD): they would run on a per-rank copy
-stream beside the compute stream with durations from the cost model; a stash stops counting when its
-OFFLOAD or EVICT completes, counts again from the start of its RELOAD or LOAD (the buffer is allocated
-then), and its backward waits for the transfer back. Memory changes are already recorded as timed events
-and sorted per rank (`_StashLedger`), so such transfers only add events; `_run_local` rejects
-them until that is written, rather than timing them wrongly.
+Stash transfers (OFFLOAD/RELOAD to host memory, EVICT/LOAD to a peer rank) run on side lanes beside the
+compute stream: one host-copy lane per rank (PipeOffload's single stream, alternating offloads and
+reloads in issue order) and one lane per (rank, peer) for peer transfers. Issuing one costs the compute
+stream nothing; it starts when its lane is free (and, coming back, once its outbound copy is done) and
+lasts `CostModel.transfer_time`. Accounting follows SCHEDULES.md §2.4: a stash stops counting as resident
+when its outbound copy *completes* (never when it starts), counts again from the *start* of the copy
+back (the buffer is allocated then), and its backward waits for that copy to finish. The `parked` curve
+counts stashes held off-device (in host memory or on the peer). A peer transfer also shows on the peer:
+its buffer counts there from the start of the EVICT until the LOAD has delivered the stash back.
 """
 from __future__ import annotations
 
@@ -21,10 +26,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
 from megatron_pp.schedules.comm import Link, link_slots
-from megatron_pp.schedules.ir import (COMM_OPS, COMPUTE_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError,
-                                      batches)
+from megatron_pp.schedules.ir import (COMM_OPS, COMPUTE_OPS, RETURN_TRANSFER, TRANSFER_OPS, Action, Op, Schedule,
+                                      ScheduleError, batches)
 
 MeasuredCosts = Union[Mapping[tuple[Op, int], float], Callable[[Op, int], float]]
+
+DEFAULT_TRANSFER = 0.25
+"""One-way transfer time of one stash, as a multiple of its chunk's forward time, when neither the cost
+model nor the schedule's `offload_time` option says otherwise (the issue's default)."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,12 @@ class CostModel:
     """Per global stage multiplier of the four durations above (e.g. layers per stage); None = all 1."""
     p2p_latency: float = 0.0
     """Time from a send to the data being available at the receiver."""
+    transfer: float | None = None
+    """One-way time of a stash transfer (OFFLOAD, RELOAD, EVICT, LOAD) as a multiple of the forward time of
+    its chunk; None takes the schedule's planned `offload_time` option, else `DEFAULT_TRANSFER`."""
     measured: MeasuredCosts | None = None
     """Measured durations: a mapping (op, global stage) -> time, where missing keys fall back to the fields
-    above, or a function (op, global stage) -> time that replaces them entirely."""
+    above, or a function (op, global stage) -> time that replaces them entirely (transfers included)."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight", "p2p_latency"):
@@ -55,6 +67,8 @@ class CostModel:
             object.__setattr__(self, "stage_weights", tuple(float(w) for w in self.stage_weights))
             if any(w < 0 for w in self.stage_weights):
                 raise ValueError(f"CostModel.stage_weights must be >= 0, got {list(self.stage_weights)}")
+        if self.transfer is not None and self.transfer < 0:
+            raise ValueError(f"CostModel.transfer must be >= 0, got {self.transfer}")
 
     def duration(self, op: Op, stage: int) -> float:
         """Time of compute action `op` on global `stage`."""
@@ -66,6 +80,21 @@ class CostModel:
             base = {Op.F: self.forward, Op.B: self.backward, Op.BI: self.backward_input,
                     Op.BW: self.backward_weight}[op]
             value = base * (1.0 if self.stage_weights is None else self.stage_weights[stage])
+        if value < 0:
+            raise ValueError(f"negative duration {value} for {op.value} on stage {stage}")
+        return float(value)
+
+    def transfer_time(self, op: Op, stage: int, schedule_ratio: float | None = None) -> float:
+        """Time of stash transfer `op` of global `stage`: measured if given, else the transfer ratio (this
+        model's, or `schedule_ratio`, or `DEFAULT_TRANSFER`) times the stage's forward time."""
+        if callable(self.measured):
+            value = self.measured(op, stage)
+        elif self.measured is not None and (op, stage) in self.measured:
+            value = self.measured[op, stage]
+        else:
+            ratio = self.transfer if self.transfer is not None else (
+                DEFAULT_TRANSFER if schedule_ratio is None else schedule_ratio)
+            value = ratio * self.duration(Op.F, stage)
         if value < 0:
             raise ValueError(f"negative duration {value} for {op.value} on stage {stage}")
         return float(value)
@@ -85,6 +114,11 @@ class SimResult:
     memory: list[list[tuple[float, int]]]
     """Per rank, (time, resident stashes) after each change, starting with (0.0, 0)."""
     peak_stash: list[int]
+    parked: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Per rank, (time, stashes of this rank held off-device: in host memory or on a peer)."""
+    peak_parked: list[int] = field(default_factory=list)
+    transfer_busy: list[float] = field(default_factory=list)
+    """Per rank, total time its transfer lanes were copying."""
 
 
 @dataclass
@@ -112,8 +146,18 @@ class _RankState:
     busy: float = 0.0
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     ledger: _StashLedger = field(default_factory=_StashLedger)
+    parked: _StashLedger = field(default_factory=_StashLedger)
     posted_at: float | None = None
-    """When the rank posted the sends of the batch it is waiting in (None when not in a batch)."""
+    """When the rank posted the sends of the batch it is processing (None when not in a batch)."""
+    inputs_at: dict[tuple[Op, int, int], float] = field(default_factory=dict)
+    """(F or B, microbatch, chunk) -> when the received input of that compute is in (its batch done)."""
+    lanes: dict[tuple[str, int | None], float] = field(default_factory=dict)
+    """Transfer lane ("host", None) or ("peer", q) -> when it is free again."""
+    away: dict[tuple[int, int], tuple[Op, float]] = field(default_factory=dict)
+    """Stash (microbatch, chunk) sent off-device -> (its outbound op, when that copy completes)."""
+    back_at: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Stash brought back -> when its copy back completes (its backward waits for it)."""
+    transfer_busy: float = 0.0
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
@@ -140,25 +184,28 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             while pos[rank] < len(acts):
                 i = pos[rank]
                 if acts[i].op not in COMM_OPS:
-                    _run_local(schedule, rank, i, acts[i], costs, state)
+                    _run_local(schedule, rank, i, acts[i], costs, states)
                     pos[rank] = i + 1
                     progress = True
                     continue
                 end = batch_end[rank][i]
                 if state.posted_at is None:
-                    # Sends leave as soon as the batch is posted; the receives of the batch then wait.
+                    # Sends leave as soon as the batch is posted.
                     state.posted_at = state.clock
                     for link, is_send, k in slot_of[rank][i:end]:
                         if is_send:
                             arrival[link, k] = state.clock + costs.p2p_latency
                     progress = True
+                # The replay needs the arrival times to go on; the simulated rank itself does not wait here.
                 if any((link, k) not in arrival for link, is_send, k in slot_of[rank][i:end] if not is_send):
                     break
                 start = state.posted_at
+                done = max([start] + [arrival[link, k] for link, is_send, k in slot_of[rank][i:end] if not is_send])
                 for action, (link, is_send, k) in zip(acts[i:end], slot_of[rank][i:end]):
                     state.timeline.append((action, start, start if is_send else max(start, arrival[link, k])))
-                state.clock = max([start] + [arrival[link, k] for link, is_send, k in slot_of[rank][i:end]
-                                             if not is_send])
+                    if not is_send:
+                        consumer = Op.F if action.op is Op.RECV_F else Op.B
+                        state.inputs_at[consumer, action.microbatch, action.chunk] = done
                 state.posted_at, pos[rank] = None, end
                 progress = True
 
@@ -166,10 +213,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
              if pos[r] < len(acts)]
     if stuck:
         raise ScheduleError(f"simulation of {schedule.name!r} cannot proceed; waiting at " + "; ".join(stuck))
-    makespan = max(state.clock for state in states)
+    makespan = max([state.clock for state in states] + [t for state in states for t in state.lanes.values()])
     busy = [state.busy for state in states]
     bubble = 0.0 if makespan == 0 else sum((makespan - b) / makespan for b in busy) / len(states)
     memory = [state.ledger.curve() for state in states]
+    parked = [state.parked.curve() for state in states]
     return SimResult(
         timeline=[state.timeline for state in states],
         makespan=makespan,
@@ -177,25 +225,74 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         bubble_fraction=bubble,
         memory=memory,
         peak_stash=[max(level for _, level in curve) for curve in memory],
+        parked=parked,
+        peak_parked=[max(level for _, level in curve) for curve in parked],
+        transfer_busy=[state.transfer_busy for state in states],
     )
 
 
 def _run_local(schedule: Schedule, rank: int, index: int, action: Action, costs: CostModel,
-               state: _RankState) -> None:
-    """Run one non-communication action of `rank` on its compute stream."""
+               states: list[_RankState]) -> None:
+    """Run one non-communication action of `rank`: compute on its compute stream, a transfer on a lane."""
+    state = states[rank]
+    if action.op in TRANSFER_OPS:
+        _run_transfer(schedule, rank, index, action, costs, states)
+        return
     start = state.clock
+    key = (action.microbatch, action.chunk)
     if action.op in COMPUTE_OPS:
+        if action.op in (Op.F, Op.B, Op.BI):
+            consumer = Op.F if action.op is Op.F else Op.B
+            start = max(start, state.inputs_at.pop((consumer, *key), start))
+        if action.op in (Op.B, Op.BI):
+            if key in state.away:
+                raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
+                                    f"{state.away[key][0].value} and never brought back")
+            start = max(start, state.back_at.pop(key, start))
         duration = costs.duration(action.op, schedule.stage_of(rank, action.chunk))
         state.busy += duration
         if action.op is Op.F:
             state.ledger.change(start, +1)
         elif action.op in (Op.B, Op.BW):
             state.ledger.change(start + duration, -1)
-    elif action.op in TRANSFER_OPS:
-        raise ScheduleError(f"rank {rank}, action {index} ({action}): the simulator has no model for "
-                            f"{action.op.value} yet (see the extension point in the simulate module docstring)")
     else:
         # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
         duration = 0.0
     state.clock = start + duration
     state.timeline.append((action, start, start + duration))
+
+
+def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, costs: CostModel,
+                  states: list[_RankState]) -> None:
+    """Time one stash transfer on its lane and record what it does to resident and parked stashes."""
+    state = states[rank]
+    key = (action.microbatch, action.chunk)
+    lane = ("host", None) if action.op in (Op.OFFLOAD, Op.RELOAD) else ("peer", action.peer)
+    duration = costs.transfer_time(action.op, schedule.stage_of(rank, action.chunk),
+                                   schedule.options.get("offload_time"))
+    start = max(state.clock, state.lanes.get(lane, 0.0))
+    if action.op in RETURN_TRANSFER:
+        if key in state.away:
+            raise ScheduleError(f"rank {rank}, action {index} ({action}): stash already sent away by "
+                                f"{state.away[key][0].value}")
+        end = start + duration
+        state.away[key] = (action.op, end)
+        state.ledger.change(end, -1)  # device memory is free only once the copy has completed
+        state.parked.change(end, +1)
+        if action.op is Op.EVICT:
+            states[action.peer].ledger.change(start, +1)  # the peer's receive buffer
+    else:
+        outbound = next(op for op, back in RETURN_TRANSFER.items() if back is action.op)
+        if state.away.get(key, (None,))[0] is not outbound:
+            raise ScheduleError(f"rank {rank}, action {index} ({action}): no {outbound.value} of this stash "
+                                "before it")
+        start = max(start, state.away.pop(key)[1])
+        end = start + duration
+        state.back_at[key] = end
+        state.ledger.change(start, +1)  # the buffer it lands in is allocated when the copy starts
+        state.parked.change(end, -1)
+        if action.op is Op.LOAD:
+            states[action.peer].ledger.change(end, -1)
+    state.lanes[lane] = end
+    state.transfer_busy += duration
+    state.timeline.append((action, start, end))

@@ -5,8 +5,9 @@ Every chunk-forward runs inside `store.stash(key)`, which installs
 attributes its storage to the stash (deduplicated by storage, so views and a tensor saved by several
 ops count once; parameters and buffers never count, they are not per-microbatch memory). In this base
 class tensors stay where they are: the store only measures, which is how real activation memory is
-measured on CPU. Subclasses change where the tensors go (host memory for PipeOffload, a peer rank for
-BPipe) by overriding `pack`/`unpack`, without touching the executor.
+measured on CPU. Subclasses change where the tensors go (host memory for PipeOffload, see
+`offload_store.OffloadStore`; a peer rank for BPipe) by overriding `pack`/`unpack` and counting only the
+stashes still in device memory (`resident_count`), without touching the executor.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class ActivationStore:
                 yield stash
         finally:
             self._current = None
-        self.peak_count = max(self.peak_count, len(self.live))
+        self._note_peak()
 
     def release(self, key: Hashable) -> None:
         """The backward of `key` has run: its saved tensors are gone."""
@@ -71,11 +72,20 @@ class ActivationStore:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
-        self.peak_count = len(self.live)
+        self.peak_count = self.resident_count
 
     @property
     def live_count(self) -> int:
         return len(self.live)
+
+    @property
+    def resident_count(self) -> int:
+        """Stashes whose tensors occupy device memory (all live ones here; subclasses park some elsewhere)."""
+        return len(self.live)
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.peak_count = max(self.peak_count, self.resident_count)
 
     # Hooks: called by autograd ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
@@ -87,6 +97,10 @@ class ActivationStore:
                 self.live_bytes += nbytes
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return t
+
+    def is_excluded(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s storage belongs to a parameter or buffer (never per-microbatch memory)."""
+        return t.untyped_storage().data_ptr() in self._excluded
 
     def unpack(self, packed):
         return packed

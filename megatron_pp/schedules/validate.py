@@ -5,7 +5,8 @@ fields are in range and every send or receive talks to the one rank its stage's 
 both ends of every directed link list the same messages in the same order; each rank's list in
 isolation (one F and one backward per (microbatch, chunk), backward after forward, inputs received or
 computed before use, results sent after they exist, gradients reduced after the last backward, at most
-two live weight versions); and a replay of all ranks under blocking (rendezvous) semantics finishes,
+two live weight versions, stashes parked off-device only between their F and their backward and back
+before it); and a replay of all ranks under blocking (rendezvous) semantics finishes,
 which together with the previous checks proves every cross-rank data dependency is met. Failures raise
 `ScheduleError` naming the rank, the index in its list and the action.
 """
@@ -15,7 +16,8 @@ from collections import defaultdict
 
 from megatron_pp.schedules.comm import (Message, RendezvousReplay, expected_peer, forward_neighbours,
                                         link_of, message_of)
-from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import (COMM_OPS, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule,
+                                      ScheduleError)
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -55,11 +57,36 @@ def _check_fields(schedule: Schedule) -> None:
 
 
 def _check_transfer(rank: int, index: int, action: Action) -> None:
-    """Home of the OFFLOAD/RELOAD (PipeOffload) and EVICT/LOAD (BPipe) rules, which arrive with their passes:
-    a stash is parked only between its F and its backward, comes back (RELOAD/LOAD) before that backward,
-    leaves and returns once, and EVICT/LOAD pairs match in order on their link like pipeline messages."""
-    raise _error(rank, index, action, f"{action.op.value} is not supported by the validator yet; add its "
-                                      "pairing rules in validate._check_transfer with the pass that emits it")
+    """Field rules of stash transfers. OFFLOAD/RELOAD (host memory) are fully checked per rank in
+    `_check_rank`. EVICT/LOAD (BPipe) get the same per-rank rules there, but the acceptor's side (its
+    buffer, the pairing of transfers on the x <-> p-1-x link) belongs to the BPipe pass: until it adds that
+    rule here, they are refused rather than half-checked."""
+    if action.op in (Op.EVICT, Op.LOAD):
+        raise _error(rank, index, action, f"{action.op.value} is not supported by the validator yet; the BPipe "
+                                          "pass adds the acceptor-side pairing rules in validate._check_transfer")
+
+
+def _check_stash_transfer(rank: int, index: int, action: Action, forward_at: dict, backward_at: dict,
+                          parked: dict[tuple[int, int], tuple[Action, int]], returned: set) -> None:
+    """A stash leaves the device (OFFLOAD, EVICT) only between its F and its backward, at most once, and
+    comes back (RELOAD, LOAD from the same peer) before that backward."""
+    key = (action.microbatch, action.chunk)
+    if action.op in RETURN_TRANSFER:
+        if key not in forward_at:
+            raise _error(rank, index, action, f"nothing to move: F{key[0]}.{key[1]} has not run before it")
+        if key in backward_at:
+            raise _error(rank, index, action, f"the backward of this stash already ran at action {backward_at[key]}")
+        if key in parked or key in returned:
+            raise _error(rank, index, action, "this stash already left the device once in this step")
+        parked[key] = (action, index)
+        return
+    if key not in parked:
+        raise _error(rank, index, action, "this stash is not parked off the device here")
+    away, at = parked[key]
+    if RETURN_TRANSFER[away.op] is not action.op or away.peer != action.peer:
+        raise _error(rank, index, action, f"brings back a stash that {away} (action {at}) sent elsewhere")
+    del parked[key]
+    returned.add(key)
 
 
 def _check_rank(schedule: Schedule, rank: int) -> None:
@@ -71,10 +98,19 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     received: dict[tuple[Op, int, int], int] = {}
     sent: dict[tuple[Op, int, int], int] = {}
     reduced_at: dict[int, int] = {}
+    parked: dict[tuple[int, int], tuple[Action, int]] = {}  # stash off the device -> (its transfer, index)
+    returned: set[tuple[int, int]] = set()
 
     for i, a in enumerate(acts):
         key = (a.microbatch, a.chunk)
-        if a.op is Op.F:
+        if a.op in (Op.B, Op.BI, Op.BW) and key in parked:
+            away, at = parked[key]
+            back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
+            raise _error(rank, i, a, f"its stash is off the device since {away} (action {at}); {back} must come "
+                                     "before the backward")
+        if a.op in TRANSFER_OPS:
+            _check_stash_transfer(rank, i, a, forward_at, backward_at, parked, returned)
+        elif a.op is Op.F:
             if key in forward_at:
                 raise _error(rank, i, a, f"second forward of this microbatch and chunk "
                                          f"(first at action {forward_at[key]})")
@@ -129,6 +165,9 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             reduced_at[a.chunk] = i
 
     end = len(acts)
+    if parked:
+        (mb, chunk), (away, at) = next(iter(parked.items()))
+        raise _error(rank, at, away, f"stash {mb}.{chunk} never comes back")
     for mb in range(schedule.num_microbatches):
         for chunk in range(schedule.num_chunks):
             key = (mb, chunk)

@@ -50,13 +50,15 @@ def reference(preset: str, num_layers: int, global_batch: int):
     return total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def pipeline_run(ctx, preset, num_layers, tp, pp, schedule_name, m, v, sequence_parallel=False):
-    """Worker side: one training step's loss, full named gradients (from tp/dp rank 0) and stash peaks."""
+def pipeline_run(ctx, preset, num_layers, tp, pp, schedule_name, m, v, sequence_parallel=False, options=None,
+                 layout=None):
+    """Worker side: one training step's loss, full named gradients (from tp/dp rank 0) and stash peaks.
+    `options` go to the schedule builder, `layout` (e.g. account_for_embedding=True) to build_pipeline."""
     state = ctx.parallel_state(tp, pp)
     config = _config(preset, num_layers)
-    schedule = build_schedule(schedule_name, pp, m, v)
+    schedule = build_schedule(schedule_name, pp, m, v, **(options or {}))
     pipe = build_pipeline(config, state, schedule, micro_batch_size=MICRO_BATCH, seed=SEED,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, **(layout or {}))
     data = MockData(SEED, config.seq_length, config.vocab_size, MICRO_BATCH, MICRO_BATCH * m * state.dp_size, state.dp_size)
     result, tokens = train_step(pipe, data.step_microbatches(0, state.dp_rank))
     loss = step_metrics(pipe, result, tokens).loss
@@ -74,6 +76,7 @@ def pipeline_run(ctx, preset, num_layers, tp, pp, schedule_name, m, v, sequence_
         "pp_rank": state.pp_rank,
         "peak_count": result.peak_stash_count,
         "peak_bytes": result.peak_stash_bytes,
+        "peak_host_bytes": result.peak_host_bytes,
     }
 
 
@@ -186,3 +189,66 @@ def one_stash_bytes(preset, layers, pp, v):
                 (y.float() * batch["loss_mask"]).sum()
         out.append(store.live_bytes)
     return out
+
+
+# PipeOffload (SCHEDULES.md §2): the GIS family with and without host offload, and 1F1B + offload. One layer
+# per chunk where layers = p·v. (preset, layers, tp, pp, schedule, m, v, options), grouped by world size.
+PIPEOFFLOAD_WORLD2 = [
+    ("gpt-tiny", 4, 1, 2, "gis", 4, 2, {}),
+    ("llama-tiny", 8, 1, 2, "gis-h", 4, 4, {}),  # p = 2: GIS-H is the uniform order
+    ("gpt-tiny", 4, 1, 2, "po-h", 4, 2, {}),
+    ("llama-tiny", 8, 1, 2, "po-f", 3, 4, {}),
+    ("gpt-tiny", 4, 1, 2, "gis", 4, 2, {"interleave_group_size": 1, "offload_fraction": 1.0}),
+    ("gpt-tiny", 4, 1, 2, "gis", 3, 2, {}),  # odd m: a short last group
+]
+PIPEOFFLOAD_WORLD4 = [
+    ("gpt-tiny", 8, 1, 4, "gis", 8, 2, {}),
+    ("llama-tiny", 16, 1, 4, "gis-h", 8, 4, {}),
+    ("gpt-tiny", 16, 1, 4, "po-h", 4, 4, {}),
+    ("gpt-tiny", 16, 1, 4, "po-f", 8, 4, {}),
+    ("llama-tiny", 4, 1, 4, "1f1b", 8, 1, {"offload_chunks": 1}),
+    ("gpt-tiny", 8, 2, 2, "po-f", 4, 2, {}),  # tp = 2
+    ("gpt-tiny", 8, 2, 2, "gis", 4, 2, {}),  # tp = 2
+    ("llama-tiny", 8, 1, 2, "gis", 4, 2, {}),  # dp = 2
+    ("gpt-tiny", 4, 1, 2, "po-f", 4, 2, {}),  # dp = 2
+]
+
+
+def _pipeoffload_id(c):
+    return f"{c[0]}-L{c[1]}-tp{c[2]}-pp{c[3]}-{c[4]}-m{c[5]}-v{c[6]}" + "".join(f"-{k}={v}" for k, v in c[7].items())
+
+
+def _run_pipeoffload(world, case, layout=None, sequence_parallel=False):
+    preset, layers, tp, pp, name, m, v, options = case
+    dp = world // (tp * pp)
+    results = run_distributed(world, pipeline_run, preset, layers, tp, pp, name, m, v, sequence_parallel, options,
+                              layout)
+    ref_loss, ref_grads = _reference_cached(preset, layers, MICRO_BATCH * m * dp)
+    check(results, ref_loss, ref_grads, case)
+    return results
+
+
+@pytest.mark.parametrize("case", PIPEOFFLOAD_WORLD2, ids=_pipeoffload_id)
+def test_exact_pipeoffload_world2(case):
+    _run_pipeoffload(2, case)
+
+
+@pytest.mark.parametrize("case", PIPEOFFLOAD_WORLD4, ids=_pipeoffload_id)
+def test_exact_pipeoffload_world4(case):
+    results = _run_pipeoffload(4, case)
+    if case[4] == "po-f":  # offloading really happened: host buffers were used on the first rank
+        assert max(r["peak_host_bytes"] for r in results if r["pp_rank"] == 0) > 0
+
+
+@pytest.mark.parametrize("case", [("gpt-tiny", 8, 2, 2, "gis", 4, 2, {}), ("llama-tiny", 8, 2, 2, "gis-h", 4, 2, {}),
+                                  ("gpt-tiny", 8, 2, 2, "po-h", 4, 2, {})], ids=_pipeoffload_id)
+def test_exact_pipeoffload_sequence_parallel(case):
+    _run_pipeoffload(4, case, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("pp, v", [(2, 4), (4, 2)])
+def test_exact_pipeoffload_paper_layout(pp, v):
+    """PipeOffload's layout: v·p − 2 layers, the embedding and the head each taking a layer's slot, so the
+    first stage holds only the embedding and the last only the head."""
+    case = ("gpt-tiny", v * pp - 2, 1, pp, "po-f", 4, v, {})
+    _run_pipeoffload(4 if pp == 4 else 2, case, {"account_for_embedding": True, "account_for_loss": True})

@@ -92,8 +92,8 @@ def test_bookkeeping_actions_take_no_time():
 
 
 def test_unsupported_and_stuck_schedules_raise():
-    with pytest.raises(ScheduleError, match=r"rank 0, action 1 \(OFFLOAD0.0\): the simulator has no model"):
-        simulate(_single("F0.0 OFFLOAD0.0 RELOAD0.0 B0.0"))
+    with pytest.raises(ScheduleError, match=r"rank 0, action 2 \(B0.0\): its stash was sent away by OFFLOAD"):
+        simulate(_single("F0.0 OFFLOAD0.0 B0.0"))
     stuck = Schedule("hand", 2, 1, 1, looped_placement(2, 1),
                      [[Action.parse(t) for t in "F0.0 B0.0".split()],
                       [Action.parse(t) for t in "RECV_F0.0<0 F0.0 B0.0".split()]])

@@ -191,7 +191,7 @@ def test_wrong_peer_and_needless_message():
     (["F0.0 B0.0"], 2, 0, 2, "end of list", "F1.0 never runs"),
     (["F0.0 B0.0 F1.0 REDUCE_GRAD.0 B1.0"], 2, 0, 4, "B1.0", r"already reduced at action 3, before this backward"),
     (["F0.0 B0.0 REDUCE_GRAD.0 REDUCE_GRAD.0"], 1, 0, 3, "REDUCE_GRAD.0", "already reduced at action 2"),
-    (["F0.0 OFFLOAD0.0 RELOAD0.0 B0.0"], 1, 0, 1, "OFFLOAD0.0", "not supported by the validator yet"),
+    (["F0.0 OFFLOAD0.0 B0.0"], 1, 0, 2, "B0.0", r"off the device since OFFLOAD0.0 \(action 1\); RELOAD0.0 must"),
     (["F0.0@0 F1.0@1 F2.0@2 B0.0@0 B1.0@1 B2.0@2"], 3, 0, 2, "F2.0@2", r"versions \[0, 1, 2\] at once"),
     (["F0.0@0 B0.0@1"], 1, 0, 1, "B0.0@1", "weight version 1 differs from its forward's 0"),
     (["F0.0 F1.0 BI0.0 BI1.0 BW1.0 BW0.0@1"], 2, 0, 5, "BW0.0@1", "differs from its forward's None"),
