@@ -43,14 +43,16 @@ class WorkerContext:
         return self._states[key]
 
 
-def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, port: int, inbox, outbox, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":  # one GPU per worker, as torchrun --nproc-per-node would place them
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     ctx = WorkerContext(rank, world_size)
     while True:
@@ -66,10 +68,12 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
 
 
 class WorkerPool:
-    """`world_size` spawned processes joined in one gloo world, waiting for functions to run."""
+    """`world_size` spawned processes joined in one world (gloo, or nccl with one GPU each), waiting
+    for functions to run."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
         self.world_size = world_size
+        self.backend = backend
         self._start()
 
     def _start(self) -> None:
@@ -78,7 +82,8 @@ class WorkerPool:
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, port, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(target=_worker, args=(r, self.world_size, port, self.inboxes[r], self.outbox, self.backend),
+                        daemon=True)
             for r in range(self.world_size)
         ]
         for p in self.procs:
