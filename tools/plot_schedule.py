@@ -4,15 +4,17 @@
         --out docs/img/schedule_interleaved.png --json schedule.json
     python tools/plot_schedule.py --compare interleaved-1f1b,gis,gis-h,po-h,po-f --pp 4 --microbatches 8 \\
         --chunks 4 --out docs/img/pipeoffload_memory.png
+    python tools/plot_schedule.py --compare 1f1b,bpipe --pp 8 --microbatches 16 --out docs/img/bpipe_memory.png
 
 The schedule is built exactly as training builds it (generator, passes, communication, validation), then
 timed by the simulator. The top panel has one row per rank with a box per compute action, coloured by
 microbatch (backwards lighter and hatched), so bubbles show as empty space; stash transfers (OFFLOAD,
 RELOAD, EVICT, LOAD) are thin bars on a lane under their rank's row. The bottom panel shows how many
-(microbatch, chunk) stashes each rank holds in device memory over time. `--compare` draws several
-schedules' stash curves side by side on one scale instead. `--offload-time` is the one-way transfer time
-of a stash in units of its chunk's forward (default 0.25): it times the transfers and, for schedules that
-take it, places them. `--json` writes the validated action lists in text form with makespan, bubble
+(microbatch, chunk) stashes each rank holds in device memory over time (BPipe's acceptors include
+the stashes they host). `--compare` draws several schedules' stash curves side by side on one scale
+instead, with a last panel of every rank's peak under each. `--offload-time` is the one-way transfer
+time of a stash in units of its chunk's forward (default 0.25): it times the transfers and, for
+schedules that take it, places them. `--json` writes the validated action lists in text form with makespan, bubble
 fraction, peak stashes and the options (with `--compare`, one such record per schedule). Bad input
 prints one line on stderr and exits with status 2.
 """
@@ -230,7 +232,8 @@ def _step_points(curve: list[tuple[float, int]], span: float) -> tuple[list[floa
 
 
 def draw_comparison(runs: list[tuple[Schedule, SimResult]], path: str) -> None:
-    """Stash curves of several schedules side by side, one panel each, on one y scale (rank 0 bold)."""
+    """Stash curves of several schedules side by side, one panel each, on one y scale (rank 0 bold), and a
+    last panel with every rank's peak under each schedule (how balanced the memory is)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +241,8 @@ def draw_comparison(runs: list[tuple[Schedule, SimResult]], path: str) -> None:
 
     top = max(max(result.peak_stash) for _, result in runs)
     base = runs[0][1].peak_stash[0]
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.4 * len(runs) + 1.0, 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(3.4 * (len(runs) + 1) + 1.0, 3.6), sharey=True,
+                             squeeze=False)
     for ax, (schedule, result) in zip(axes[0], runs):
         span = result.makespan if result.makespan > 0 else 1.0
         for rank, curve in enumerate(result.memory):
@@ -252,6 +256,16 @@ def draw_comparison(runs: list[tuple[Schedule, SimResult]], path: str) -> None:
         ax.set_ylim(0, top + 1)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
+    bars = axes[0][-1]
+    width = 0.8 / len(runs)
+    for k, (schedule, result) in enumerate(runs):
+        ranks = range(len(result.peak_stash))
+        bars.bar([r - 0.4 + width * (k + 0.5) for r in ranks], result.peak_stash, width, label=schedule.name)
+    bars.set_title("peak per rank", fontsize=9)
+    bars.set_xlabel("rank")
+    bars.set_xticks(range(runs[0][0].num_ranks))
+    bars.grid(True, axis="y", alpha=0.3)
+    bars.legend(fontsize=7, loc="upper right")
     axes[0][0].set_ylabel("resident chunk stashes")
     s0 = runs[0][0]
     fig.suptitle(f"p={s0.num_ranks}, m={s0.num_microbatches}, v={s0.num_chunks}: device-resident stashes per rank",

@@ -302,6 +302,11 @@ class GradientReducer:
                     pieces.append(GradPiece(p, bucket, start, start - offset, end - offset, bucket.grad[start:end]))
         return pieces
 
+    @property
+    def embedding_params(self) -> list[nn.Parameter]:
+        """The tied-embedding copies whose gradient `finish()` sums with the other end of the pipeline."""
+        return list(self._embedding_params)
+
     def grad_view(self, param: nn.Parameter) -> torch.Tensor:
         """`param`'s fp32 gradient slot (fully reduced after `finish()` without the distributed optimizer)."""
         return self._views[id(param)]
@@ -368,8 +373,12 @@ class GradientReducer:
                 bucket.pending = start_all_reduce_(bucket.grad, self.state.dp_group)
             self._next_launch += 1
 
-    def finish(self) -> None:
-        """Complete the data-parallel reductions, then the sequence-parallel and tied-embedding sums."""
+    def finish(self, reduce_embedding: bool = True) -> None:
+        """Complete the data-parallel reductions, then the sequence-parallel and tied-embedding sums.
+
+        `reduce_embedding=False` leaves the tied-embedding sum (between the first and last pipeline rank)
+        to the caller: 2BW starts it asynchronously, since the two ranks finish a batch at different times.
+        """
         if not self._step_open:
             raise RuntimeError("finish() without start_step(): no step is accumulating gradients")
         self._launch_ready(force=True)
@@ -380,7 +389,7 @@ class GradientReducer:
             if reduced.data_ptr() != shard.data_ptr():
                 shard.copy_(reduced)
         all_reduce_coalesced(self._sequence_parallel_grads, self.state.tp_group)
-        if self._embedding_grads:
+        if self._embedding_grads and reduce_embedding:
             all_reduce_coalesced(self._embedding_grads, self.state.embedding_group)
         if self.distributed_optimizer:
             for bucket in self.buckets:

@@ -1,33 +1,36 @@
 """Should BPipe be turned on for this job? Memory per stage with and without it, what fits, how fast.
 
 Under 1F1B with flush, stage `s` of `p` holds `min(p − s, m)` stashes (one per in-flight microbatch):
-`p` on stage 0, one on the last stage. BPipe (SCHEDULES.md §3) pairs stage `x` with `p − 1 − x` and
-caps resident stashes at `K = ⌈(p + 2)/2⌉`: an evictor (`x < p − 1 − x` with more than `K`) parks the
-excess on its partner, which then holds its own `x + 1` plus those guests (`bpipe_residency`). The F/B
-order, and so the bubble at equal `(b, m)`, is unchanged: BPipe can only pay off indirectly, by letting a
-configuration fit that 1F1B cannot hold (no recomputation, a larger microbatch `b`).
+`p` on stage 0, one on the last stage. BPipe (SCHEDULES.md §3, `schedules/bpipe.py`) pairs stage `x`
+with `p − 1 − x` and keeps at most `K` stashes resident on a stage between its actions (default
+`⌈(p + 2)/2⌉`): an evictor parks the excess on its partner. Counted as the executor holds them, an
+evicting stage peaks at `K + 1` (the forward that exceeds the bound) and its partner at its own plus the
+parked ones plus one in flight. The F/B order, and so the bubble at equal `(b, m)`, is unchanged: BPipe
+can only pay off indirectly, by letting a configuration fit that 1F1B cannot hold (no recomputation, a
+larger microbatch `b`).
 
 For each microbatch size `b` dividing the per-replica batch (`m = G / (dp·b)`) and each recompute
 option, `estimate`:
 
-1. computes every stage's peak memory, `weights + grads + optimizer state + stashes × stash bytes +
-   transient`, from `planning.memory` (plus guests' bytes under BPipe), and keeps what fits in the GPU
-   after a reserve for the CUDA context, communication buffers and allocator fragmentation; with BPipe
-   the bound `K` is a knob (`--bpipe-max-resident`), so each configuration uses the loosest `K` between
-   `⌈(p + 2)/2⌉` and `p` that fits, i.e. the fewest transfers (`K = p` is plain 1F1B);
+1. computes every stage's peak memory, `weights + grads + optimizer state + stashes + transient`, from
+   `planning.memory`, and keeps what fits in the GPU after a reserve for the CUDA context,
+   communication buffers and allocator fragmentation. Stashes are `min(p − s, m)` × stash bytes under
+   1F1B; under BPipe they are the byte peaks of the simulated `bpipe` schedule, with each stash at its
+   owner's size, so a partner's guests and the evictor's transient are counted when they coincide;
 2. times one step with the schedule simulator: stage `s` runs F = `L_s·t_F(b)` (+ embedding/head) and
    B = `L_s·(t_B(b) + recompute)`, layer times from `planning.efficiency` (a measured MFU(b) curve or
    the roofline), activations between stages taking `s·b·h·2 / inter-node bandwidth`;
-3. adds BPipe's evict/load cost where it is not hidden: in steady state an evictor sends one stash and
-   receives one back per 1F1B step, so a transfer longer than the stage's F + B stretches each of its
-   `m − K` evicting steps by the difference;
+3. for BPipe simulates the very action lists `--pipeline-schedule bpipe` runs, EVICT/LOAD taking
+   stash bytes / pair bandwidth on the pair's link: transfers that do not hide behind compute show as a
+   longer makespan (a backward waiting for its load, a forward waiting for the eviction that makes room).
+   The bound is a knob (`--bpipe-max-resident`): each configuration uses the loosest `K` that fits, i.e.
+   the fewest transfers (`K = p` is plain 1F1B);
 4. compares the fastest configuration that fits with BPipe against the fastest that fits without:
    speedup `S = T_1F1B / T_BPipe`; turn BPipe on iff `S > 1`.
 
 Not modelled (the same for every candidate of a layout, so they dilute speedups rather than change the
 verdict): the data-parallel gradient reduction, the optimizer step, the embedding's compute, and
-contention of BPipe's transfers with other traffic. Peaks are summed over terms that need not coincide
-in time (an acceptor's own peak and its guests' peak), so memory is slightly conservative.
+contention of BPipe's transfers with other traffic.
 """
 from __future__ import annotations
 
@@ -42,9 +45,12 @@ from megatron_pp.planning.efficiency import (BF16_BYTES, EfficiencyModel, Hardwa
                                              MeasuredCurve, Roofline, head_times)
 from megatron_pp.planning.memory import (MEGATRON_BF16, RECOMPUTE_OPTIONS, Numerics, stage_state_bytes, stash_bytes,
                                          transient_activation_bytes)
-from megatron_pp.schedules.ir import Op
+from megatron_pp.schedules.bpipe import add_bpipe, default_max_resident
+from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.generators import one_f_one_b
+from megatron_pp.schedules.ir import Op, Schedule
 from megatron_pp.schedules.registry import build_schedule
-from megatron_pp.schedules.simulate import CostModel, simulate
+from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 
 GIB = 2 ** 30
 DEFAULT_RESERVED_FRACTION = 0.10
@@ -59,53 +65,6 @@ answers move with it."""
 def one_f_one_b_stashes(p: int, m: int) -> list[int]:
     """Peak stashes per stage under 1F1B with flush: `min(p − s, m)` (SCHEDULES.md §1)."""
     return [min(p - s, m) for s in range(p)]
-
-
-def bpipe_bound(p: int) -> int:
-    """BPipe's resident-stash bound `K = ⌈(p + 2)/2⌉` (p/2 + 1 for even p)."""
-    return -(-(p + 2) // 2)
-
-
-@dataclass(frozen=True)
-class Residency:
-    """Peak stashes one stage holds under BPipe: its own, and guests parked by its partner."""
-
-    own: int
-    guests: int = 0
-    partner: Optional[int] = None
-    """The paired stage `p − 1 − x` (None for the middle stage of an odd p)."""
-
-    @property
-    def total(self) -> int:
-        return self.own + self.guests
-
-
-def bpipe_residency(p: int, m: int, bound: Optional[int] = None) -> list[Residency]:
-    """Per stage, peak own and guest stashes under BPipe with bound `K` (default `bpipe_bound(p)`).
-
-    Worked example, p = 8, m ≥ 8, K = 5: 1F1B peaks 8 7 6 5 4 3 2 1; stage 0 parks 3 on stage 7, stage 1
-    two on stage 6, stage 2 one on stage 5:
-
-        stage   0  1  2  3  4  5  6  7
-        own     5  5  5  5  4  3  2  1
-        guests  0  0  0  0  0  1  2  3
-        total   5  5  5  5  4  4  4  4
-    """
-    K = bpipe_bound(p) if bound is None else bound
-    if K < 1:
-        raise ValueError(f"BPipe bound must be >= 1, got {K}")
-    counts = one_f_one_b_stashes(p, m)
-    evicted = [max(0, counts[x] - K) if x < p - 1 - x else 0 for x in range(p)]
-    out = []
-    for x in range(p):
-        partner = p - 1 - x
-        if partner == x:
-            out.append(Residency(counts[x]))
-        elif x < partner:
-            out.append(Residency(counts[x] - evicted[x], 0, partner))
-        else:
-            out.append(Residency(counts[x], evicted[partner], partner))
-    return out
 
 
 # The job ------------------------------------------------------------------------------------------------
@@ -227,8 +186,15 @@ class Estimate:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(p: int, m: int):
+def _schedule(p: int, m: int) -> Schedule:
     return build_schedule("1f1b", p, m)
+
+
+@functools.lru_cache(maxsize=256)
+def _bpipe_schedule(p: int, m: int, bound: int) -> Schedule:
+    """The lists `--pipeline-schedule bpipe --bpipe-max-resident bound` runs (validated in the schedule
+    tests; not again here, the estimator builds many)."""
+    return insert_communication(add_bpipe(one_f_one_b(p, m), bound))
 
 
 def _stage_times(job: Job, layer: LayerTimes, b: int, recompute: str,
@@ -303,22 +269,18 @@ def estimate(
             flops = m * (sum(spec.num_layers for spec in stages) * layer.model_flops + logits / job.tp)
             slowest = max(f + bw for f, bw in times)
 
-            def peaks_with(bound: int) -> tuple[float, ...]:
-                return tuple(state[s] + r.own * stash[s] + (r.guests * stash[r.partner] if r.guests else 0) + transient
-                             for s, r in enumerate(bpipe_residency(p, m, bound)))
-
-            # BPipe's bound is a knob (--bpipe-max-resident): use the loosest one that fits, i.e. the fewest
-            # transfers; K = p evicts nothing and is plain 1F1B. Nothing fits: report the tightest bound.
-            bound = next((k for k in range(p, bpipe_bound(p) - 1, -1) if max(peaks_with(k)) <= capacity),
-                         bpipe_bound(p))
-            overhead = _transfer_overhead(p, m, bound, stash, times, pair_gbps)
-            for bpipe, peaks, extra in ((False, peaks_with(p), 0.0), (True, peaks_with(bound), overhead)):
-                step = sim.makespan + extra
+            plain = tuple(state[s] + n * stash[s] + transient for s, n in enumerate(one_f_one_b_stashes(p, m)))
+            bpipe_costs = CostModel(measured=costs, p2p_latency=latency, stash_bytes=stash,
+                                    peer_bandwidth=pair_gbps * 1e9)
+            bound, peaks, timed = _loosest_bound(p, m, plain, sim, capacity, state, stash, transient, bpipe_costs)
+            for bpipe, stage_peaks, result in ((False, plain, sim), (True, peaks, timed)):
+                step = result.makespan
                 candidates.append(Candidate(
                     micro_batch_size=b, num_microbatches=m, recompute=recompute, bpipe=bpipe,
-                    resident_bound=bound if bpipe else p,
-                    stage_peak_bytes=peaks, fits=max(peaks) <= capacity, step_s=step, transfer_overhead_s=extra,
-                    bubble_fraction=sim.bubble_fraction, mfu=flops / (p * step * hardware.peak_tflops * 1e12),
+                    resident_bound=bound if bpipe else p, stage_peak_bytes=stage_peaks,
+                    fits=max(stage_peaks) <= capacity, step_s=step,
+                    transfer_overhead_s=max(0.0, step - sim.makespan),
+                    bubble_fraction=result.bubble_fraction, mfu=flops / (p * step * hardware.peak_tflops * 1e12),
                     per_microbatch_s=slowest,
                 ))
 
@@ -331,18 +293,39 @@ def estimate(
                     warnings=list(getattr(efficiency, "warnings", [])))
 
 
-def _transfer_overhead(p: int, m: int, bound: int, stash: Sequence[float], times: Sequence[tuple[float, float]],
-                       pair_gbps: float) -> float:
-    """Seconds BPipe's evict/load traffic adds to a step: per evicting stage, each of its `m − K` steps
-    with an eviction waits `max(0, transfer − (F + B))`; the worst stage delays the whole pipeline."""
-    worst = 0.0
-    for x, count in enumerate(one_f_one_b_stashes(p, m)):
-        if x >= p - 1 - x or count <= bound:
-            continue
-        transfer = stash[x] / (pair_gbps * 1e9)
-        exposed = max(0.0, transfer - sum(times[x]))
-        worst = max(worst, max(0, m - bound) * exposed)
-    return worst
+def _loosest_bound(p: int, m: int, plain: tuple[float, ...], plain_sim: SimResult, capacity: float,
+                   state: Sequence[float], stash: Sequence[float], transient: float,
+                   costs: CostModel) -> tuple[int, tuple[float, ...], SimResult]:
+    """BPipe's bound for one configuration: (K, peak bytes per stage, simulated step) for the loosest K
+    whose simulated peaks fit, K = p (plain 1F1B, no transfers) when 1F1B fits, and the default bound when
+    none fits. Bounds that provably cannot fit are not simulated: an evicting stage peaks at exactly K + 1
+    of its own stashes and its partner holds at least the parked `min(p − x, m) − K` at once."""
+    if max(plain) <= capacity:
+        return p, plain, plain_sim
+    counts = one_f_one_b_stashes(p, m)
+
+    def floor(bound: int) -> float:
+        lowest = 0.0
+        for x in range(p):
+            y = p - 1 - x
+            if x < y and counts[x] > bound:
+                lowest = max(lowest, state[x] + (bound + 1) * stash[x] + transient,
+                             state[y] + (counts[x] - bound) * stash[x] + transient)
+            else:
+                lowest = max(lowest, state[x] + counts[x] * stash[x] + transient)
+        return lowest
+
+    def simulated(bound: int) -> tuple[int, tuple[float, ...], SimResult]:
+        result = simulate(_bpipe_schedule(p, m, bound), costs)
+        return bound, tuple(state[s] + result.peak_bytes[s] + transient for s in range(p)), result
+
+    for bound in range(p - 1, 0, -1):
+        if floor(bound) <= capacity:
+            found = simulated(bound)
+            if max(found[1]) <= capacity:
+                return found
+    default = default_max_resident(p)
+    return simulated(default) if default < p else (p, plain, plain_sim)
 
 
 def layouts(config: TransformerConfig, gpus: int) -> list[tuple[int, int, int]]:

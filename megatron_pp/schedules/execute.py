@@ -22,7 +22,16 @@ stash counts as live until BW, as the schedule says.
 Stash transfers: when the list has OFFLOAD actions the executor uses an `OffloadStore` (unless a store
 is passed) and tells it which stashes will move; OFFLOAD hands it the stash plus the tensors that must
 stay on the device (the microbatch's batch tensors and the chunk output still to be sent), RELOAD asks
-for it back, and autograd waits for the reload when it first reads a saved tensor.
+for it back, and autograd waits for the reload when it first reads a saved tensor. EVICT and LOAD
+(BPipe) do the same with a `peer_store.PeerStore`, parking the stash on the partner rank, whose
+`AcceptorStore` serves those transfers beside its own list; `build_pipeline` creates both (they need a
+process group per pair) and the executor checks that the store fits the list. The store hears when a
+step starts and ends (`begin_step`, `end_step`), which is when an acceptor serves its partner.
+
+Schedules that carry state from one optimizer step to the next (2BW) run their list one *segment* per
+call (`run(..., segment=...)`): microbatches in flight when a call ends keep their inputs, outputs and
+stashes for the next call. Their runtime plugs in through `ExecutorHooks` (a callback before every
+compute action, handlers for extra operations such as STEP), which wrap the handlers, not the loop.
 
 Loss convention: the last stage returns a per-token loss `[b, s]`; the executor reduces it to
 `sum(loss * loss_mask) * loss_scale`, where the caller passes `loss_scale = 1 / (tokens in the global
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +50,7 @@ from torch import nn
 from megatron_pp.core.p2p import PipelineComm, Transfer, release_storage
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore
+from megatron_pp.schedules.peer_store import prepare_store
 from megatron_pp.schedules.store import ActivationStore
 
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
@@ -55,6 +65,20 @@ class StepResult:
     comm_wait_s: float
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end), seconds
     peak_host_bytes: int = 0  # host buffers holding offloaded stashes (PipeOffload), peak over the step
+
+
+class ExecutorHooks:
+    """What a schedule's runtime adds to the executor without touching its loop (2BW's weight versions).
+
+    `handlers` run operations the executor has no handler of its own for (2BW: STEP, the deferred
+    optimizer update); `before_compute` runs before every F, B, BI and BW (2BW: point the parameters at
+    the weight version the action names). Pass an instance as `PipelineExecutor(..., hooks=...)`.
+    """
+
+    handlers: Mapping[Op, Callable[[Action], None]] = {}
+
+    def before_compute(self, action: Action) -> None:
+        """Called right before the compute `action` runs."""
 
 
 class PipelineExecutor:
@@ -72,6 +96,7 @@ class PipelineExecutor:
         device: torch.device,
         store: Optional[ActivationStore] = None,
         trace: bool = False,
+        hooks: Optional[ExecutorHooks] = None,
     ) -> None:
         if len(chunks) != schedule.num_chunks:
             raise ValueError(f"schedule has {schedule.num_chunks} chunks per rank but {len(chunks)} modules were built")
@@ -91,13 +116,23 @@ class PipelineExecutor:
                 raise ValueError(f"--pipeline-schedule {schedule.name} offloads stashes, which needs an OffloadStore "
                                  f"(got {type(self.store).__name__})")
             self.store.plan(offloaded)
+        prepare_store(self.store, schedule, pp_rank)
         for module in self.chunks:
             self.store.exclude(module.parameters())
             self.store.exclude(module.buffers())
         self.handlers: dict[Op, Callable[[Action], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward_input, Op.BW: self._backward_weight,
-            Op.OFFLOAD: self._offload, Op.RELOAD: self._reload,
+            Op.OFFLOAD: self._offload, Op.RELOAD: self._reload, Op.EVICT: self._evict, Op.LOAD: self._load,
         }
+        self.handlers[Op.REDUCE_GRAD] = self._reduce_grad
+        self.reduce_grad_hook: Optional[Callable[[int], None]] = None
+        """Called by REDUCE_GRAD.c with the local chunk c to start that chunk's data-parallel reduction;
+        training sets it to its gradient reducer's `reduce_chunk` (schedules never import training). While
+        it is None the action only marks the point, and the step's gradients are reduced after the run
+        (`finalize_gradients`), as for lists without it: exact, just not overlapped."""
+        if hooks is not None:
+            self._install(hooks)
+        self._clear_in_flight()
         unsupported = sorted({a.op.value for a in self.actions} - set(self.handlers) - COMM_OPS)
         if unsupported:
             raise ValueError(
@@ -110,25 +145,46 @@ class PipelineExecutor:
         self._prev = [schedule.location(s - 1) if s > 0 else None for s in self._stage]
         self._is_last = [s == last for s in self._stage]
 
-    # The loop ---------------------------------------------------------------------------------------------
-    def run(self, microbatches: Sequence[dict], loss_scale: float) -> StepResult:
-        """Execute the rank's list once. `microbatches[i]` is the batch dict of microbatch i."""
-        if len(microbatches) != self.schedule.num_microbatches:
-            raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {len(microbatches)}")
-        self._microbatches = microbatches
-        self._loss_scale = loss_scale
+    def _install(self, hooks: ExecutorHooks) -> None:
+        for op in (Op.F, Op.B, Op.BI, Op.BW):
+            def compute(action: Action, run: Callable[[Action], None] = self.handlers[op]) -> None:
+                hooks.before_compute(action)
+                run(action)
+            self.handlers[op] = compute
+        self.handlers.update(hooks.handlers)
+
+    def _clear_in_flight(self) -> None:
         self._inputs: dict[tuple[int, int], object] = {}  # Transfer (received) or leaf tensor (local)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_outputs: dict[tuple[int, int], object] = {}  # Transfer or tensor
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
+
+    # The loop ---------------------------------------------------------------------------------------------
+    def run(self, microbatches: Sequence[dict] | Mapping[int, dict], loss_scale: float,
+            segment: Optional[Sequence[Action]] = None) -> StepResult:
+        """Execute the rank's list once. `microbatches[i]` is the batch dict of microbatch i.
+
+        With `segment`, run those actions instead: one call of a list that spans optimizer steps (2BW, see
+        `schedules.twobw`). What is in flight when it ends (inputs, outputs and gradients of microbatches
+        whose backward is in a later call, their stashes) stays for the next call, `microbatches` maps the
+        segment's microbatch numbers to batch dicts, and nothing is checked for leftovers.
+        """
+        if segment is None:
+            if len(microbatches) != self.schedule.num_microbatches:
+                raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, "
+                                 f"got {len(microbatches)}")
+            self._clear_in_flight()
+        self._microbatches = microbatches
+        self._loss_scale = loss_scale
         self._loss_sum: Optional[torch.Tensor] = None
         self._token_count: Optional[torch.Tensor] = None
         self._wait_s = 0.0
+        self.store.begin_step()
         self.store.reset_peak()
         events: list[tuple[str, float, float]] = []
         t0 = time.perf_counter()
 
-        actions, i = self.actions, 0
+        actions, i = (self.actions if segment is None else segment), 0
         while i < len(actions):
             start = time.perf_counter() - t0 if self.trace else 0.0
             first = i
@@ -147,9 +203,10 @@ class PipelineExecutor:
                 events.append((" ".join(map(str, actions[first:i])), start, time.perf_counter() - t0))
         if self.comm is not None:
             self.comm.drain()
+        self.store.end_step()
         leftovers = [name for name, d in (("inputs", self._inputs), ("outputs", self._outputs),
                                           ("output grads", self._grad_outputs), ("input grads", self._input_grads)) if d]
-        if leftovers:
+        if leftovers and segment is None:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed {', '.join(leftovers)}")
         return StepResult(
             loss_sum=self._loss_sum,
@@ -225,16 +282,32 @@ class PipelineExecutor:
     # Stash transfers --------------------------------------------------------------------------------------
     def _offload(self, action: Action) -> None:
         key = (action.microbatch, action.chunk)
+        self.store.offload(key, *self._moving(key))
+
+    def _moving(self, key: tuple[int, int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What must stay on the device when stash `key` moves, and what only the executor references."""
         # The batch feeds the microbatch's later chunks and the output may still be in flight to the next
         # stage: both stay. The chunk input is ours alone (kept to read .grad): it moves, emptied in place.
-        keep = [t for t in self._microbatches[action.microbatch].values() if isinstance(t, torch.Tensor)]
+        keep = [t for t in self._microbatches[key[0]].values() if isinstance(t, torch.Tensor)]
         if key in self._outputs:
             keep.append(self._outputs[key])
         private = [self._input_grads[key]] if key in self._input_grads else []
-        self.store.offload(key, keep, private)
+        return keep, private
 
     def _reload(self, action: Action) -> None:
         self.store.reload((action.microbatch, action.chunk))
+
+    def _evict(self, action: Action) -> None:
+        key = (action.microbatch, action.chunk)
+        self.store.evict(key, *self._moving(key))
+
+    def _load(self, action: Action) -> None:
+        self.store.load((action.microbatch, action.chunk))
+
+    # Gradient reduction ----------------------------------------------------------------------------------
+    def _reduce_grad(self, action: Action) -> None:
+        if self.reduce_grad_hook is not None:
+            self.reduce_grad_hook(action.chunk)
 
     # Communication ----------------------------------------------------------------------------------------
     def _post_batch(self, batch: Sequence[Action]) -> None:

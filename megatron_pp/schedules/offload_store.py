@@ -284,18 +284,7 @@ class OffloadStore(ActivationStore):
         `private`: tensors referenced outside autograd only by the caller, who will not read their data
         until the backward (emptied in place rather than dropped, so the memory really goes)."""
         record = self._record(key, StashState.SAVED, "OFFLOAD")
-        kept = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
-        for other_key, other in self.live.items():
-            if other_key != key:
-                kept.update(other.storages)  # shared with another live stash: not ours to move
-        private_ptrs = {t.untyped_storage().data_ptr() for t in private}
-        offset = 0
-        for ptr, entry in record.storages.items():
-            if ptr in kept or entry.nbytes == 0:
-                continue
-            entry.in_place, entry.offset = ptr in private_ptrs, offset
-            record.parked.append(entry)
-            offset += -(-entry.nbytes // _ALIGN) * _ALIGN
+        offset = self._choose_parked(record, keep, private)
         record.state = StashState.OFFLOADING
         if record.parked:
             record.host = self.pool.take(offset)
@@ -305,6 +294,33 @@ class OffloadStore(ActivationStore):
             record.ticket = self.copies.copy([(record.host[e.offset:e.offset + e.nbytes], _bytes_of(e.storage))
                                               for e in record.parked])
         self.poll()
+
+    def _choose_parked(self, record: _Record, keep: Iterable[torch.Tensor], private: Iterable[torch.Tensor]) -> int:
+        """Fill `record.parked` with the storages that leave the device (see `offload` for `keep` and
+        `private`) and their offsets in a packed buffer; return that buffer's size in bytes."""
+        kept = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+        for other in self.live.values():
+            if other is not record.stash:
+                kept.update(other.storages)  # shared with another live stash: not ours to move
+        private_ptrs = {t.untyped_storage().data_ptr() for t in private}
+        offset = 0
+        for ptr, entry in record.storages.items():
+            if ptr in kept or entry.nbytes == 0:
+                continue
+            entry.in_place, entry.offset = ptr in private_ptrs, offset
+            record.parked.append(entry)
+            offset += -(-entry.nbytes // _ALIGN) * _ALIGN
+        return offset
+
+    def _allocate_parked(self, record: _Record) -> None:
+        """Give every parked storage of `record` device memory again (refilled by the caller's copy)."""
+        for entry in record.parked:
+            if entry.in_place:
+                entry.storage.resize_(entry.nbytes)
+            else:
+                entry.storage = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            record.stash.storages[entry.storage.data_ptr()] = entry.nbytes
+            self.live_bytes += entry.nbytes
 
     def poll(self) -> None:
         """Release the device storage of every stash whose copy to host has completed."""
@@ -331,13 +347,7 @@ class OffloadStore(ActivationStore):
             return
         if record.state is not StashState.OFFLOADED:
             raise RuntimeError(f"RELOAD of stash {key}: it is {record.state.value}, not offloaded")
-        for entry in record.parked:
-            if entry.in_place:
-                entry.storage.resize_(entry.nbytes)
-            else:
-                entry.storage = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
-            record.stash.storages[entry.storage.data_ptr()] = entry.nbytes
-            self.live_bytes += entry.nbytes
+        self._allocate_parked(record)
         record.state = StashState.RELOADING
         if record.parked:
             record.ticket = self.copies.copy([(_bytes_of(e.storage), record.host[e.offset:e.offset + e.nbytes])

@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.bpipe import add_bpipe, warn_unhidden_transfers
 from megatron_pp.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
 from megatron_pp.schedules.gis import gis, min_group_size
 from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.looped import looped_bfs
 from megatron_pp.schedules.offload import add_offload
+from megatron_pp.schedules.twobw import two_bw
 from megatron_pp.schedules.validate import validate
 
 
@@ -147,7 +150,8 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks:
                          f"its options: {accepted}") from None
     schedule = entry.builder(*sizes, **options)
     got = (schedule.num_ranks, schedule.num_microbatches, schedule.num_chunks)
-    if got != (num_ranks, num_microbatches, num_chunks):
+    # A schedule that unrolls several optimizer steps (2BW's `steps`) numbers microbatches across them.
+    if got != (num_ranks, num_microbatches * schedule.options.get("steps", 1), num_chunks):
         raise ValueError(f"builder of {entry.name!r} returned a schedule for (ranks, microbatches, chunks) = "
                          f"{got}, asked for {(num_ranks, num_microbatches, num_chunks)}")
     schedule = insert_communication(dataclasses.replace(schedule, name=entry.name))
@@ -217,3 +221,32 @@ register_schedule("po-h", _po_h, supports_virtual=True,
                   description="uniform repeating order, first ceil(v/2) chunks of every rank offloaded to host")
 register_schedule("po-f", _po_f, supports_virtual=True,
                   description="uniform repeating order, every chunk offloaded to host (a few layers resident)")
+
+
+def _bpipe(num_ranks: int, num_microbatches: int, bpipe_max_resident: int | None = None) -> Schedule:
+    return warn_unhidden_transfers(add_bpipe(one_f_one_b(num_ranks, num_microbatches), bpipe_max_resident))
+
+
+register_option("bpipe_max_resident", "--bpipe-max-resident", int,
+                "BPipe: stashes each rank keeps in device memory before parking the newest on its partner "
+                "p-1-x (default ceil((pp+2)/2)).")
+register_schedule("bpipe", _bpipe, supports_virtual=False,
+                  description="1F1B with BPipe: rank x parks stashes above K=ceil((p+2)/2) on rank p-1-x; "
+                              "every rank holds about K")
+
+
+register_option("breadth_first_microbatches", "--breadth-first-microbatches", int,
+                "looped-bfs: microbatches per breadth-first group (default: all m of the step); the step runs "
+                "m/B such groups one after the other, bounding activation memory by B. At least pp.")
+register_option("layered_grad_accumulation", "--layered-grad-accumulation", bool,
+                "looped-bfs: reduce each chunk's gradients over data parallelism right after its last backward of "
+                "each breadth-first group (REDUCE_GRAD), overlapping the backward of the chunks below it.")
+register_option("checkpoint_layer_inputs", "--checkpoint-layer-inputs", bool,
+                "looped-bfs: keep only each layer's input and recompute the layer in the backward (default on; "
+                "--no-checkpoint-layer-inputs keeps every activation; --recompute-granularity overrides it).")
+register_schedule("looped-bfs", looped_bfs, aliases=("modular",), supports_virtual=True,
+                  description="modular (looping) pipeline, stage k on rank k mod p, breadth-first: all forwards of "
+                              "a chunk, then the next; bubble (p-1)/(v*m+p-1); needs m >= p")
+register_schedule("2bw", two_bw, supports_virtual=False,
+                  description="PipeDream-2BW: 1F1B with no flush between steps, two weight versions, "
+                              "W(t+1) = W(t) - lr*g(W(t-1)); needs m >= p (option steps: unroll several steps)")

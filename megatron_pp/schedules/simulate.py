@@ -12,13 +12,18 @@ stash curve: the number of device-resident (microbatch, chunk) stashes over time
 
 Stash transfers (OFFLOAD/RELOAD to host memory, EVICT/LOAD to a peer rank) run on side lanes beside the
 compute stream: one host-copy lane per rank (PipeOffload's single stream, alternating offloads and
-reloads in issue order) and one lane per (rank, peer) for peer transfers. Issuing one costs the compute
-stream nothing; it starts when its lane is free (and, coming back, once its outbound copy is done) and
-lasts `CostModel.transfer_time`. Accounting follows SCHEDULES.md §2.4: a stash stops counting as resident
+reloads in issue order) and, for peer transfers, one lane per (rank, peer) and direction (EVICT out,
+LOAD back: the two directions of a full-duplex link, with a process group each). Issuing one costs the
+compute stream nothing; it starts when its lane is free (and, coming back, once its outbound copy is
+done) and lasts `CostModel.transfer_time`. Accounting follows SCHEDULES.md §2.4: a stash stops counting as resident
 when its outbound copy *completes* (never when it starts), counts again from the *start* of the copy
 back (the buffer is allocated then), and its backward waits for that copy to finish. The `parked` curve
 counts stashes held off-device (in host memory or on the peer). A peer transfer also shows on the peer:
-its buffer counts there from the start of the EVICT until the LOAD has delivered the stash back.
+its buffer counts there from the start of the EVICT until the LOAD has delivered the stash back. A
+forward waits for the EVICTs issued before it (the executor frees their memory before it allocates), so
+an evicting rank never holds its bound plus two. With `CostModel.stash_bytes` the curves are also
+weighed in bytes (`SimResult.peak_bytes`, guests at their owner's size) and, with `peer_bandwidth`,
+EVICT/LOAD take bytes / bandwidth.
 """
 from __future__ import annotations
 
@@ -55,6 +60,12 @@ class CostModel:
     transfer: float | None = None
     """One-way time of a stash transfer (OFFLOAD, RELOAD, EVICT, LOAD) as a multiple of the forward time of
     its chunk; None takes the schedule's planned `offload_time` option, else `DEFAULT_TRANSFER`."""
+    stash_bytes: Sequence[float] | None = None
+    """Bytes of one microbatch's stash per global stage: weights the stash curves (`SimResult.peak_bytes`)
+    and, with `peer_bandwidth`, times EVICT/LOAD."""
+    peer_bandwidth: float | None = None
+    """Bytes per time unit of the link between BPipe partners: EVICT/LOAD of a stage's stash then take
+    stash_bytes[stage] / peer_bandwidth instead of the `transfer` ratio (measured values still win)."""
     measured: MeasuredCosts | None = None
     """Measured durations: a mapping (op, global stage) -> time, where missing keys fall back to the fields
     above, or a function (op, global stage) -> time that replaces them entirely (transfers included)."""
@@ -69,6 +80,13 @@ class CostModel:
                 raise ValueError(f"CostModel.stage_weights must be >= 0, got {list(self.stage_weights)}")
         if self.transfer is not None and self.transfer < 0:
             raise ValueError(f"CostModel.transfer must be >= 0, got {self.transfer}")
+        if self.stash_bytes is not None:
+            object.__setattr__(self, "stash_bytes", tuple(float(b) for b in self.stash_bytes))
+            if any(b < 0 for b in self.stash_bytes):
+                raise ValueError(f"CostModel.stash_bytes must be >= 0, got {list(self.stash_bytes)}")
+        if self.peer_bandwidth is not None and (self.stash_bytes is None or not self.peer_bandwidth > 0):
+            raise ValueError(f"CostModel.peer_bandwidth must be > 0 and needs stash_bytes (transfer = bytes / "
+                             f"bandwidth), got {self.peer_bandwidth} with stash_bytes {self.stash_bytes}")
 
     def duration(self, op: Op, stage: int) -> float:
         """Time of compute action `op` on global `stage`."""
@@ -84,6 +102,14 @@ class CostModel:
             raise ValueError(f"negative duration {value} for {op.value} on stage {stage}")
         return float(value)
 
+    def stash_size(self, stage: int) -> float:
+        """Bytes of one stash of global `stage` (1 without `stash_bytes`: the curves count stashes)."""
+        if self.stash_bytes is None:
+            return 1.0
+        if stage >= len(self.stash_bytes):
+            raise ValueError(f"CostModel.stash_bytes has {len(self.stash_bytes)} entries, no stage {stage}")
+        return self.stash_bytes[stage]
+
     def transfer_time(self, op: Op, stage: int, schedule_ratio: float | None = None) -> float:
         """Time of stash transfer `op` of global `stage`: measured if given, else the transfer ratio (this
         model's, or `schedule_ratio`, or `DEFAULT_TRANSFER`) times the stage's forward time."""
@@ -91,6 +117,8 @@ class CostModel:
             value = self.measured(op, stage)
         elif self.measured is not None and (op, stage) in self.measured:
             value = self.measured[op, stage]
+        elif op in (Op.EVICT, Op.LOAD) and self.peer_bandwidth is not None:
+            value = self.stash_size(stage) / self.peer_bandwidth
         else:
             ratio = self.transfer if self.transfer is not None else (
                 DEFAULT_TRANSFER if schedule_ratio is None else schedule_ratio)
@@ -119,23 +147,34 @@ class SimResult:
     peak_parked: list[int] = field(default_factory=list)
     transfer_busy: list[float] = field(default_factory=list)
     """Per rank, total time its transfer lanes were copying."""
+    peak_bytes: list[float] = field(default_factory=list)
+    """Per rank, peak bytes of resident stashes (its own and any it hosts) when the cost model has
+    `stash_bytes`; empty otherwise."""
 
 
 @dataclass
 class _StashLedger:
     """Timed +1/-1 stash events of one rank; the order of equal times is the order of recording."""
 
-    events: list[tuple[float, int, int]] = field(default_factory=list)
+    events: list[tuple[float, int, int, float]] = field(default_factory=list)
 
-    def change(self, time: float, delta: int) -> None:
-        self.events.append((time, len(self.events), delta))
+    def change(self, time: float, delta: int, size: float = 1.0) -> None:
+        self.events.append((time, len(self.events), delta, size))
 
     def curve(self) -> list[tuple[float, int]]:
         level, points = 0, [(0.0, 0)]
-        for time, _, delta in sorted(self.events):
+        for time, _, delta, _ in sorted(self.events):
             level += delta
             points.append((time, level))
         return points
+
+    def peak_size(self) -> float:
+        """Peak of the curve with every event weighted by its stash's size."""
+        level = peak = 0.0
+        for _, _, delta, size in sorted(self.events):
+            level += delta * size
+            peak = max(peak, level)
+        return peak
 
 
 @dataclass
@@ -152,12 +191,15 @@ class _RankState:
     inputs_at: dict[tuple[Op, int, int], float] = field(default_factory=dict)
     """(F or B, microbatch, chunk) -> when the received input of that compute is in (its batch done)."""
     lanes: dict[tuple[str, int | None], float] = field(default_factory=dict)
-    """Transfer lane ("host", None) or ("peer", q) -> when it is free again."""
+    """Transfer lane ("host", None), ("EVICT", q) or ("LOAD", q) -> when it is free again."""
     away: dict[tuple[int, int], tuple[Op, float]] = field(default_factory=dict)
     """Stash (microbatch, chunk) sent off-device -> (its outbound op, when that copy completes)."""
     back_at: dict[tuple[int, int], float] = field(default_factory=dict)
     """Stash brought back -> when its copy back completes (its backward waits for it)."""
     transfer_busy: float = 0.0
+    evicted_at: float = 0.0
+    """When this rank's EVICTs issued so far have completed: a forward starts no earlier (the executor
+    frees an evicted stash before the next forward allocates, see peer_store.PeerStore)."""
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
@@ -228,6 +270,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         parked=parked,
         peak_parked=[max(level for _, level in curve) for curve in parked],
         transfer_busy=[state.transfer_busy for state in states],
+        peak_bytes=[state.ledger.peak_size() for state in states] if costs.stash_bytes is not None else [],
     )
 
 
@@ -244,17 +287,20 @@ def _run_local(schedule: Schedule, rank: int, index: int, action: Action, costs:
         if action.op in (Op.F, Op.B, Op.BI):
             consumer = Op.F if action.op is Op.F else Op.B
             start = max(start, state.inputs_at.pop((consumer, *key), start))
+        if action.op is Op.F:
+            start = max(start, state.evicted_at)
         if action.op in (Op.B, Op.BI):
             if key in state.away:
                 raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
                                     f"{state.away[key][0].value} and never brought back")
             start = max(start, state.back_at.pop(key, start))
-        duration = costs.duration(action.op, schedule.stage_of(rank, action.chunk))
+        stage = schedule.stage_of(rank, action.chunk)
+        duration = costs.duration(action.op, stage)
         state.busy += duration
         if action.op is Op.F:
-            state.ledger.change(start, +1)
+            state.ledger.change(start, +1, costs.stash_size(stage))
         elif action.op in (Op.B, Op.BW):
-            state.ledger.change(start + duration, -1)
+            state.ledger.change(start + duration, -1, costs.stash_size(stage))
     else:
         # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
         duration = 0.0
@@ -267,9 +313,10 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
     """Time one stash transfer on its lane and record what it does to resident and parked stashes."""
     state = states[rank]
     key = (action.microbatch, action.chunk)
-    lane = ("host", None) if action.op in (Op.OFFLOAD, Op.RELOAD) else ("peer", action.peer)
-    duration = costs.transfer_time(action.op, schedule.stage_of(rank, action.chunk),
-                                   schedule.options.get("offload_time"))
+    lane = ("host", None) if action.op in (Op.OFFLOAD, Op.RELOAD) else (action.op.value, action.peer)
+    stage = schedule.stage_of(rank, action.chunk)
+    duration = costs.transfer_time(action.op, stage, schedule.options.get("offload_time"))
+    size = costs.stash_size(stage)
     start = max(state.clock, state.lanes.get(lane, 0.0))
     if action.op in RETURN_TRANSFER:
         if key in state.away:
@@ -277,10 +324,11 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
                                 f"{state.away[key][0].value}")
         end = start + duration
         state.away[key] = (action.op, end)
-        state.ledger.change(end, -1)  # device memory is free only once the copy has completed
+        state.ledger.change(end, -1, size)  # device memory is free only once the copy has completed
         state.parked.change(end, +1)
         if action.op is Op.EVICT:
-            states[action.peer].ledger.change(start, +1)  # the peer's receive buffer
+            states[action.peer].ledger.change(start, +1, size)  # the peer's receive buffer
+            state.evicted_at = max(state.evicted_at, end)
     else:
         outbound = next(op for op, back in RETURN_TRANSFER.items() if back is action.op)
         if state.away.get(key, (None,))[0] is not outbound:
@@ -289,10 +337,10 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
         start = max(start, state.away.pop(key)[1])
         end = start + duration
         state.back_at[key] = end
-        state.ledger.change(start, +1)  # the buffer it lands in is allocated when the copy starts
+        state.ledger.change(start, +1, size)  # the buffer it lands in is allocated when the copy starts
         state.parked.change(end, -1)
         if action.op is Op.LOAD:
-            states[action.peer].ledger.change(end, -1)
+            states[action.peer].ledger.change(end, -1, size)
     state.lanes[lane] = end
     state.transfer_busy += duration
     state.timeline.append((action, start, end))

@@ -50,6 +50,12 @@ class ActivationStore:
         for t in tensors:
             self._excluded.add(t.untyped_storage().data_ptr())
 
+    def include(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Undo `exclude` for these tensors' current storage, which is about to be freed (sharded weights
+        free a chunk's gathered parameters after it runs): the address may come back as an activation's."""
+        for t in tensors:
+            self._excluded.discard(t.untyped_storage().data_ptr())
+
     @contextmanager
     def stash(self, key: Hashable) -> Iterator[Stash]:
         """Attribute everything autograd saves inside this block to stash `key`."""
@@ -69,6 +75,12 @@ class ActivationStore:
         """The backward of `key` has run: its saved tensors are gone."""
         stash = self.live.pop(key)
         self.live_bytes -= stash.nbytes
+
+    def begin_step(self) -> None:
+        """The executor starts running a step's list (a store that serves a peer starts serving here)."""
+
+    def end_step(self) -> None:
+        """The executor has run the whole list (a store that serves a peer finishes serving here)."""
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -4,9 +4,10 @@
 fields are in range and every send or receive talks to the one rank its stage's neighbour lives on;
 both ends of every directed link list the same messages in the same order; each rank's list in
 isolation (one F and one backward per (microbatch, chunk), backward after forward, inputs received or
-computed before use, results sent after they exist, gradients reduced after the last backward, at most
+computed before use, results sent after they exist, gradients reduced after the last backward (of each
+group of `microbatches_per_reduction` microbatches, when the schedule sets that option), at most
 two live weight versions, stashes parked off-device only between their F and their backward and back
-before it); and a replay of all ranks under blocking (rendezvous) semantics finishes,
+before it, peer parking in disjoint pairs); and a replay of all ranks under blocking (rendezvous) semantics finishes,
 which together with the previous checks proves every cross-rank data dependency is met. Failures raise
 `ScheduleError` naming the rank, the index in its list and the action.
 """
@@ -37,6 +38,7 @@ def validate(schedule: Schedule) -> None:
 
 def _check_fields(schedule: Schedule) -> None:
     m, v, p = schedule.num_microbatches, schedule.num_chunks, schedule.num_ranks
+    parks_on = _parking_peers(schedule)
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.microbatch is not None and a.microbatch >= m:
@@ -53,17 +55,38 @@ def _check_fields(schedule: Schedule) -> None:
                 if peer != a.peer:
                     raise _error(rank, i, a, f"the neighbouring stage lives on rank {peer}, not {a.peer}")
             if a.op in TRANSFER_OPS:
-                _check_transfer(rank, i, a)
+                _check_transfer(rank, i, a, parks_on)
 
 
-def _check_transfer(rank: int, index: int, action: Action) -> None:
-    """Field rules of stash transfers. OFFLOAD/RELOAD (host memory) are fully checked per rank in
-    `_check_rank`. EVICT/LOAD (BPipe) get the same per-rank rules there, but the acceptor's side (its
-    buffer, the pairing of transfers on the x <-> p-1-x link) belongs to the BPipe pass: until it adds that
-    rule here, they are refused rather than half-checked."""
-    if action.op in (Op.EVICT, Op.LOAD):
-        raise _error(rank, index, action, f"{action.op.value} is not supported by the validator yet; the BPipe "
-                                          "pass adds the acceptor-side pairing rules in validate._check_transfer")
+def _parking_peers(schedule: Schedule) -> dict[int, list[int]]:
+    """Rank -> the peers its EVICT/LOAD actions name, in order of first appearance (empty ranks left out)."""
+    peers: dict[int, list[int]] = {}
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.op in (Op.EVICT, Op.LOAD) and a.peer not in peers.setdefault(rank, [a.peer]):
+                peers[rank].append(a.peer)
+    return {rank: found for rank, found in peers.items() if found}
+
+
+def _check_transfer(rank: int, index: int, action: Action, parks_on: dict[int, list[int]]) -> None:
+    """Field rules of stash transfers; their order rules (between F and backward, back before it) are in
+    `_check_rank`. OFFLOAD/RELOAD need nothing more. EVICT/LOAD (BPipe) also involve the acceptor, whose
+    list has no action for them: it serves its evictor's transfers in the evictor's order on their own link
+    (`peer_store.AcceptorStore`). That is deadlock-free and bounded only when parking pairs are disjoint:
+    the evictor parks on one peer, the peer hosts for no one else and parks nothing of its own."""
+    if action.op not in (Op.EVICT, Op.LOAD):
+        return
+    peer, first = action.peer, parks_on[rank][0]
+    if peer != first:
+        raise _error(rank, index, action, f"parks on rank {peer} but already parks on rank {first}; a rank parks "
+                                          "its stashes on one partner")
+    if peer in parks_on:
+        raise _error(rank, index, action, f"rank {peer} parks stashes of its own on rank {parks_on[peer][0]}; a rank "
+                                          "that hosts another's stashes must not park any")
+    others = [r for r, peers in parks_on.items() if r < rank and peers[0] == peer]  # reported at the later one
+    if others:
+        raise _error(rank, index, action, f"rank {peer} already hosts stashes of rank {others[0]}; an acceptor "
+                                          "hosts one evictor")
 
 
 def _check_stash_transfer(rank: int, index: int, action: Action, forward_at: dict, backward_at: dict,
@@ -97,7 +120,11 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     live: dict[tuple[int, int], int | None] = {}  # stashes between F and B/BW -> their weight version
     received: dict[tuple[Op, int, int], int] = {}
     sent: dict[tuple[Op, int, int], int] = {}
-    reduced_at: dict[int, int] = {}
+    reduced_at: dict[int, list[int]] = {}  # chunk -> indices of its REDUCE_GRADs, one per microbatch group
+    # Layered accumulation may reduce a chunk once per group of g consecutive microbatches (reduction k
+    # covers group k); without the option there is one group: one reduction, after every backward.
+    group = schedule.options.get("microbatches_per_reduction") or schedule.num_microbatches
+    num_groups = -(-schedule.num_microbatches // group)
     parked: dict[tuple[int, int], tuple[Action, int]] = {}  # stash off the device -> (its transfer, index)
     returned: set[tuple[int, int]] = set()
 
@@ -131,7 +158,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             if a.version != live[key]:
                 raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
             _check_input(schedule, rank, i, a, Op.RECV_B, received, backward_at)
-            _check_not_reduced(rank, i, a, reduced_at)
+            _check_not_reduced(rank, i, a, reduced_at, group)
             backward_at[key] = i
             if a.op is Op.B:
                 del live[key]
@@ -143,7 +170,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 raise _error(rank, i, a, f"BW needs BI{a.microbatch}.{a.chunk} before it")
             if a.version != live[key]:
                 raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
-            _check_not_reduced(rank, i, a, reduced_at)
+            _check_not_reduced(rank, i, a, reduced_at, group)
             weight_grad_at[key] = i
             del live[key]
         elif a.op in SEND_OPS:
@@ -160,11 +187,19 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
             received[a.op, a.microbatch, a.chunk] = i
         elif a.op is Op.REDUCE_GRAD:
-            if a.chunk in reduced_at:
-                raise _error(rank, i, a, f"chunk {a.chunk} already reduced at action {reduced_at[a.chunk]}")
-            reduced_at[a.chunk] = i
+            done = reduced_at.setdefault(a.chunk, [])
+            if len(done) == num_groups:
+                per_group = f" ({num_groups} per step, one per {group} microbatches)" if num_groups > 1 else ""
+                raise _error(rank, i, a, f"chunk {a.chunk} already reduced at action {done[-1]}{per_group}")
+            done.append(i)
 
     end = len(acts)
+    for chunk, done in reduced_at.items():
+        if len(done) < num_groups:
+            raise _error(rank, done[-1], acts[done[-1]],
+                         f"only {len(done)} of the {num_groups} reductions of chunk {chunk} (one per {group} "
+                         f"microbatches): microbatches {len(done) * group}..{schedule.num_microbatches - 1} "
+                         "are never reduced")
     if parked:
         (mb, chunk), (away, at) = next(iter(parked.items()))
         raise _error(rank, at, away, f"stash {mb}.{chunk} never comes back")
@@ -204,10 +239,11 @@ def _check_input(schedule: Schedule, rank: int, index: int, action: Action, recv
                      f"needs {kind}{action.microbatch}.{chunk} (stage {neighbour}, same rank) before it")
 
 
-def _check_not_reduced(rank: int, index: int, action: Action, reduced_at: dict[int, int]) -> None:
-    if action.chunk in reduced_at:
+def _check_not_reduced(rank: int, index: int, action: Action, reduced_at: dict[int, list[int]], group: int) -> None:
+    done = reduced_at.get(action.chunk, [])
+    if action.microbatch // group < len(done):
         raise _error(rank, index, action, f"gradients of chunk {action.chunk} were already reduced at action "
-                                          f"{reduced_at[action.chunk]}, before this backward")
+                                          f"{done[action.microbatch // group]}, before this backward")
 
 
 def _check_links(schedule: Schedule) -> None:

@@ -103,13 +103,22 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     par.add_argument("--pipeline-schedule", default="1f1b", help="Pipeline schedule by name (see docs/schedules.md).")
     for option in schedule_options():  # declared by the schedules themselves (registry.register_option)
-        par.add_argument(option.flag, dest=option.name, type=option.type, default=None, help=option.help)
+        if option.type is bool:  # on/off: --flag and --no-flag, None when neither is given
+            par.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
+                             help=option.help)
+        else:
+            par.add_argument(option.flag, dest=option.name, type=option.type, default=None, help=option.help)
     par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                      help="Default: nccl on CUDA, gloo on CPU.")
     par.add_argument("--use-distributed-optimizer", action="store_true",
                      help="ZeRO-1: shard the optimizer state over the data-parallel group.")
     par.add_argument("--overlap-grad-reduce", action="store_true",
                      help="Reduce gradients in buckets while the backward is still running.")
+    par.add_argument("--data-parallel-sharding-strategy", choices=("no_shard", "optim", "optim_grads_params"),
+                     default="no_shard",
+                     help="What the data-parallel ranks shard: optim = --use-distributed-optimizer (ZeRO-1); "
+                          "optim_grads_params also shards the weights, all-gathered per chunk before it runs and "
+                          "freed after, gradients reduce-scattered into the shard (ZeRO-3; docs/layered.md).")
 
     tr = parser.add_argument_group("training length and batch")
     tr.add_argument("--micro-batch-size", type=int, default=1)
@@ -248,6 +257,8 @@ def config_file_arguments(parser: argparse.ArgumentParser, path: str) -> list[st
                 errors.append(f"--config {path}: {key} must be true or false, got {value!r}")
             elif value:
                 tokens.append(option)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                tokens.append("--no-" + option[2:])
         elif isinstance(value, list):
             if action.nargs not in ("*", "+"):
                 errors.append(f"--config {path}: {key} takes one value, got a list")
@@ -502,6 +513,18 @@ def _check_evaluation_and_logging(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def _check_sharding(args: argparse.Namespace) -> list[str]:
+    if args.data_parallel_sharding_strategy != "optim_grads_params":
+        return []
+    # Stash stores that park saved tensors elsewhere (host memory, a peer) tell parameters from
+    # activations by storage address, and sharded weights get a new address at every all-gather.
+    movers = [flag(n) for n in ("offload_chunks", "offload_fraction") if getattr(args, n, None) is not None]
+    if args.pipeline_schedule in ("po-h", "po-f", "bpipe"):
+        movers.append(f"--pipeline-schedule {args.pipeline_schedule}")
+    return [f"--data-parallel-sharding-strategy optim_grads_params cannot be combined with {m}: stashes parked "
+            "off the device are not supported with sharded weights" for m in movers]
+
+
 def _check_schedule(args: argparse.Namespace) -> list[str]:
     from megatron_pp.schedules.registry import list_schedules, options_from_args
 
@@ -559,6 +582,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors += _check_checkpointing_and_exit(args)
     errors += _check_evaluation_and_logging(args)
     errors += _check_schedule(args)
+    errors += _check_sharding(args)
     model_errors, config = _check_model(args)
     errors += model_errors
     seq_length = config.seq_length if config is not None else 1
@@ -575,6 +599,8 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None) -> a
     dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
+    if args.data_parallel_sharding_strategy != "no_shard":  # every sharding strategy shards the optimizer
+        args.use_distributed_optimizer = True
     if args.train_iters is None:
         args.train_iters = args.train_samples // args.global_batch_size
     return args

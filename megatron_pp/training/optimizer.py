@@ -26,6 +26,8 @@ from torch import nn
 
 from megatron_pp.core.distributed_optimizer import ShardedMainParams
 from megatron_pp.core.grads import DEFAULT_BUCKET_BYTES, GradientReducer, unique_parameters
+from megatron_pp.core.layered_grads import LayeredGradientReducer
+from megatron_pp.core.sharded_weights import ShardedWeights, ShardedWeightsMainParams
 from megatron_pp.core.parallel_state import ParallelState
 
 
@@ -207,6 +209,11 @@ class OptimizerConfig:
     """Start each gradient bucket's data-parallel reduction during the backward, as soon as it is complete."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Size of a gradient bucket (fp32 bytes): a few large collectives instead of one per tensor."""
+    layered_grad_accumulation: bool = False
+    """Reduce each model chunk's buckets when the schedule's REDUCE_GRAD says (`LayeredGradientReducer`),
+    once per breadth-first group, instead of when the hooks see them complete (supersedes overlap)."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """no_shard, optim (the distributed optimizer) or optim_grads_params (also the weights: ZeRO-3)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -231,6 +238,13 @@ class OptimizerConfig:
         for name in ("loss_scale_window", "hysteresis", "bucket_bytes"):
             if getattr(self, name) < 1:
                 problems.append(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        strategy = self.data_parallel_sharding_strategy
+        if strategy not in ("no_shard", "optim", "optim_grads_params"):
+            problems.append(f"--data-parallel-sharding-strategy {strategy!r} is not one of no_shard, optim, "
+                            "optim_grads_params")
+        elif strategy != "no_shard" and not self.use_distributed_optimizer:
+            problems.append(f"--data-parallel-sharding-strategy {strategy} shards the optimizer: it needs "
+                            "--use-distributed-optimizer")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -379,14 +393,25 @@ class TrainingOptimizer:
         _check_precision(params, config)
         self.config = config
         self.state = state
-        self.reducer = GradientReducer(
-            chunks, state, overlap=config.overlap_grad_reduce, bucket_bytes=config.bucket_bytes,
-            distributed_optimizer=config.use_distributed_optimizer,
-        )
-        self.main: ShardedMainParams | ReplicatedMainParams = (
-            ShardedMainParams(self.reducer) if config.use_distributed_optimizer
-            else ReplicatedMainParams(self.reducer, params)
-        )
+        if config.layered_grad_accumulation:
+            self.reducer: GradientReducer = LayeredGradientReducer(
+                chunks, state, bucket_bytes=config.bucket_bytes, distributed_optimizer=config.use_distributed_optimizer)
+        else:
+            self.reducer = GradientReducer(
+                chunks, state, overlap=config.overlap_grad_reduce, bucket_bytes=config.bucket_bytes,
+                distributed_optimizer=config.use_distributed_optimizer,
+            )
+        self.sharded_weights: Optional[ShardedWeights] = None
+        """The weight shards under --data-parallel-sharding-strategy optim_grads_params (ZeRO-3), else None."""
+        if config.data_parallel_sharding_strategy == "optim_grads_params":
+            sharded = ShardedWeightsMainParams(self.reducer, chunks)
+            self.main: ShardedMainParams | ReplicatedMainParams = sharded
+            self.sharded_weights = sharded.weights
+        else:
+            self.main = (
+                ShardedMainParams(self.reducer) if config.use_distributed_optimizer
+                else ReplicatedMainParams(self.reducer, params)
+            )
         # Both groups always exist (possibly empty on a shard), so state dicts line up across ranks.
         groups = [
             {"params": [m for m, d in zip(self.main.params, self.main.decay) if d]},

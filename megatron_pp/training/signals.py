@@ -73,17 +73,25 @@ class ExitConditions:
         """
         local = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.handle_signals or self.exit_duration_mins is not None:
-            if self.received is not None:
-                local[0] = 1.0
-            if self.exit_duration_mins is not None:
-                if (time.monotonic() - self.started) / 60.0 > self.exit_duration_mins:
-                    local[1] = 1.0
+            local = torch.tensor(self.local_flags(), dtype=torch.float32, device=self.device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        if local[0] > 0:
+        return self.reason(bool(local[0] > 0), bool(local[1] > 0), iteration)
+
+    def local_flags(self) -> tuple[bool, bool]:
+        """(a signal arrived on this rank, this rank's clock says the time is up): what `check` agrees on.
+        A caller that agrees on them another way (2BW carries them on its metrics all-reduce, so that no
+        step waits for the slowest rank) passes the agreed flags to `reason`."""
+        time_up = (self.exit_duration_mins is not None
+                   and (time.monotonic() - self.started) / 60.0 > self.exit_duration_mins)
+        return self.received is not None, time_up
+
+    def reason(self, signal_seen: bool, time_up: bool, iteration: int) -> Optional[str]:
+        """The reason to stop after `iteration` given flags every rank agrees on, or None to go on."""
+        if signal_seen:
             name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
             return f"received {name} (--exit-signal-handler)"
-        if local[1] > 0:
+        if time_up:
             return f"--exit-duration-in-mins {self.exit_duration_mins} reached"
         if self.exit_interval is not None and iteration % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} reached"

@@ -15,6 +15,9 @@ Data positions are *sample indices*: the global batch of an iteration covers sam
 [0, b) (Megatron's layout). A checkpoint stores `consumed`, so a resumed run reads exactly the samples
 the uninterrupted run would have read.
 
+`--pipeline-schedule 2bw` trains with `training.twobw.TwoBWTrainer` instead, whose executor calls span
+optimizer steps (one batch per call, no flush between them, the update deferred into the action lists).
+
 Validation runs the schedule's own forward actions only (F, SEND_F, RECV_F, in the list's order) under
 `torch.no_grad()`, with dropout off and the random generators put back afterwards, so evaluating never
 changes the training trajectory. Removing actions from a deadlock-free list keeps it deadlock-free:
@@ -47,6 +50,7 @@ from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.models.transformer import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
 from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.peer_store import peer_store_for
 from megatron_pp.schedules.registry import build_schedule, options_from_args
 from megatron_pp.training.arguments import model_config_from_args, num_chunks, parse_args, uses_file_data
 from megatron_pp.training.checkpointing import (
@@ -58,10 +62,12 @@ from megatron_pp.training.checkpointing import (
     save_checkpoint,
 )
 from megatron_pp.training.flops import IterationFlops, iteration_flops, peak_tflops
+from megatron_pp.training.layered import all_weights, connect_optimizer, schedule_recompute
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.model import build_model_chunks
 from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, TrainingOptimizer, build_optimizer
 from megatron_pp.training.signals import ExitConditions
+from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions, uses_weight_versions
 
 FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
 
@@ -82,6 +88,8 @@ class Pipeline:
     layout: list[StageSpec]
     chunks: list[nn.Module]
     executor: PipelineExecutor
+    versions: Optional[WeightVersions] = None
+    """2BW: the two weight versions the executor switches between (None for single-version schedules)."""
 
     @property
     def stage_ids(self) -> list[int]:
@@ -109,16 +117,22 @@ def build_pipeline(
         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
         account_for_embedding=account_for_embedding, account_for_loss=account_for_loss,
     )
+    recompute = schedule_recompute(schedule, recompute)  # None: the schedule's own memory mode
     chunks = build_model_chunks(config, layout, schedule, state, seed=seed, sequence_parallel=sequence_parallel,
                                 recompute=recompute)
     seq = config.seq_length // state.tp_size if sequence_parallel else config.seq_length
     comm = PipelineComm(state.pp_group, state.pp_ranks) if state.pp_size > 1 else None
+    versions = WeightVersions(chunks) if uses_weight_versions(schedule) else None
     executor = PipelineExecutor(
         schedule, state.pp_rank, chunks, comm=comm,
         activation_shape=(seq, micro_batch_size, config.hidden_size),
         dtype=config.params_dtype, device=state.device, trace=trace,
+        store=peer_store_for(schedule, state),  # BPipe: collective, creates the pairs' process groups
+        hooks=versions,
     )
-    return Pipeline(state, config, schedule, layout, chunks, executor)
+    if versions is not None:
+        executor.store.exclude(versions.buffers[1])  # the second weight buffer is no activation either
+    return Pipeline(state, config, schedule, layout, chunks, executor, versions)
 
 
 # Data -------------------------------------------------------------------------------------------------
@@ -361,7 +375,7 @@ class Trainer:
         try:
             loss_sum = torch.zeros((), dtype=torch.float64)
             tokens = torch.zeros((), dtype=torch.float64)
-            with torch.no_grad():
+            with torch.no_grad(), all_weights(self.optimizer):
                 for e in range(args.eval_iters):
                     batches = self.data.microbatches(self.data.valid, e * args.global_batch_size, state.dp_rank,
                                                      state.device)
@@ -397,11 +411,12 @@ class Trainer:
 
     def save(self) -> None:
         args = self.args
-        path = save_checkpoint(
-            args.save, self.progress.iteration, self.checkpoint,
-            consumed_samples=self.progress.consumed_samples, save_optimizer=not args.no_save_optim,
-            extra_metadata={"args": _json_safe(vars(args))},
-        )
+        with all_weights(self.optimizer):
+            path = save_checkpoint(
+                args.save, self.progress.iteration, self.checkpoint,
+                consumed_samples=self.progress.consumed_samples, save_optimizer=not args.no_save_optim,
+                extra_metadata={"args": _json_safe(vars(args))}, schedule_state=self.schedule_state(),
+            )
         self.last_saved = self.progress.iteration
         self.log(f"saved checkpoint {path}")
 
@@ -409,17 +424,27 @@ class Trainer:
         args = self.args
         if args.load is None:
             return
-        resumed = load_checkpoint(
-            args.load, self.checkpoint, load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
-            finetune=args.finetune, exit_on_missing=args.exit_on_missing_checkpoint,
-        )
+        with all_weights(self.optimizer, write_back=True):
+            resumed = load_checkpoint(
+                args.load, self.checkpoint, load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
+                finetune=args.finetune, exit_on_missing=args.exit_on_missing_checkpoint,
+            )
         if resumed is None:
             self.log(f"no checkpoint in --load {args.load}: starting from scratch")
             return
         self.progress = Progress(resumed.iteration, resumed.consumed_samples)
         self.last_saved = resumed.iteration if not args.finetune else None
+        self.load_schedule_state(resumed.schedule_state)
         self.log(f"loaded checkpoint {resumed.path}: iteration {resumed.iteration}, "
                  f"consumed samples {resumed.consumed_samples}")
+
+    def schedule_state(self) -> dict:
+        """What the schedule carries from one step to the next, saved in every rank's checkpoint file
+        (2BW: the older weight version, see `training.twobw`); nothing for flushed schedules."""
+        return {}
+
+    def load_schedule_state(self, state: dict) -> None:
+        """Take back what `schedule_state` saved, once the checkpoint's weights and optimizer are loaded."""
 
     def run(self, exit_conditions: ExitConditions) -> list[dict]:
         """Iterate to `--train-iters` or an early exit; returns the logging rank's rows."""
@@ -556,10 +581,10 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
     config, data = build_config_and_data(args, state)
     schedule = build_schedule(args.pipeline_schedule, state.pp_size, data.num_microbatches, num_chunks(args, config),
                               **options_from_args(args, args.pipeline_schedule))
-    recompute = RecomputeConfig(
+    recompute = schedule_recompute(schedule, RecomputeConfig(
         args.recompute_granularity, args.recompute_method,
         (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
-    )
+    ) if args.recompute_granularity else None)
     pipe = build_pipeline(
         config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
         sequence_parallel=args.sequence_parallel, recompute=recompute,
@@ -569,7 +594,11 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
         account_for_loss=args.account_for_loss_in_pipeline_split,
         trace=bool(args.trace_file),
     )
-    optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
+    if pipe.versions is not None:  # 2BW: one optimizer state, updates deferred into the action lists
+        optimizer = DelayedUpdateOptimizer(pipe.chunks, state, OptimizerConfig.from_args(args), pipe.versions)
+    else:
+        optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
+    connect_optimizer(pipe.executor, optimizer)  # REDUCE_GRAD -> its reducer; sharded weights' gathers
     checkpoint = TrainingState(
         chunks=pipe.chunks, stage_ids=pipe.stage_ids, stages=pipe.layout, placement=schedule.placement,
         state=state, config=config, schedule_name=schedule.name, optimizer=optimizer,
@@ -583,11 +612,14 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
             wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
             wandb_save_dir=args.wandb_save_dir, run_config=_json_safe(vars(args)),
         )
-    trainer = Trainer(args, pipe, data, optimizer, LRSchedule.from_args(args), checkpoint,
-                      flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
-                                            recompute_granularity=recompute.granularity,
-                                            recomputed_layers=_recomputed_layers(recompute, pipe)),
-                      peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=logger)
+    from megatron_pp.training.twobw import TwoBWTrainer  # it builds on Trainer
+
+    trainer_class = TwoBWTrainer if pipe.versions is not None else Trainer
+    trainer = trainer_class(args, pipe, data, optimizer, LRSchedule.from_args(args), checkpoint,
+                            flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
+                                                  recompute_granularity=recompute.granularity,
+                                                  recomputed_layers=_recomputed_layers(recompute, pipe)),
+                            peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=logger)
     try:
         trainer.log(
             f"megatron_pp: world {state.world_size} = tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "

@@ -252,3 +252,120 @@ def test_exact_pipeoffload_paper_layout(pp, v):
     first stage holds only the embedding and the last only the head."""
     case = ("gpt-tiny", v * pp - 2, 1, pp, "po-f", 4, v, {})
     _run_pipeoffload(4 if pp == 4 else 2, case, {"account_for_embedding": True, "account_for_loss": True})
+
+
+# Layered gradient accumulation on the modular (looped-bfs) pipeline, SCHEDULES.md §4: every case runs one step
+# through the training optimizer's reducer, data-parallel width 2, one of three sharding strategies: all-reduce
+# (no_shard), reduce-scatter into the distributed optimizer's shard (optim), or that plus sharded weights
+# all-gathered per chunk (optim_grads_params, ZeRO-3). Two chunks per rank, 1 or 2 layers per stage, m = 2p,
+# B = m (one breadth-first group) or m/2 (two groups, each chunk reduced twice). The schedule's default memory
+# mode (layer inputs only, recomputed) is on. (preset, pp, layers per stage, B = m or m/2, layered, sharding).
+LOOPED_BFS = [
+    (preset, pp, per_stage, split, layered, sharding)
+    for pp, preset in ((2, "gpt-tiny"), (4, "llama-tiny"))
+    for per_stage in (1, 2)
+    for split in (1, 2)
+    for layered in (True, False)
+    for sharding in ("no_shard", "optim", "optim_grads_params")
+]
+LOOPED_BUCKET_BYTES = 16 * 1024  # several buckets per chunk, so launch order and per-chunk ownership matter
+
+
+def looped_run(ctx, preset, num_layers, pp, m, v, options, sharding, tp=1, sequence_parallel=False):
+    """Worker side: one step of looped-bfs with the optimizer's reducer; full reduced gradients by name."""
+    from megatron_pp.training.layered import connect_optimizer
+    from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
+
+    state = ctx.parallel_state(tp, pp)
+    schedule = build_schedule("looped-bfs", pp, m, v, **options)
+    pipe = build_pipeline(_config(preset, num_layers), state, schedule, micro_batch_size=MICRO_BATCH, seed=SEED,
+                          sequence_parallel=sequence_parallel)
+    optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig(
+        use_distributed_optimizer=sharding != "no_shard", data_parallel_sharding_strategy=sharding,
+        overlap_grad_reduce=True, layered_grad_accumulation=bool(options.get("layered_grad_accumulation")),
+        bucket_bytes=LOOPED_BUCKET_BYTES))
+    connect_optimizer(pipe.executor, optimizer)
+    config = pipe.config
+    data = MockData(SEED, config.seq_length, config.vocab_size, MICRO_BATCH, MICRO_BATCH * m * state.dp_size,
+                    state.dp_size)
+    result, tokens = train_step(pipe, data.step_microbatches(0, state.dp_rank), optimizer)
+    loss = step_metrics(pipe, result, tokens).loss
+    reducer = optimizer.reducer
+    where = {id(p): (bucket, offset) for bucket in reducer.buckets for p, offset in zip(bucket.params, bucket.offsets)}
+    full = {}
+    for bucket in reducer.buckets:
+        shard = bucket.grad[bucket.shard_start:bucket.shard_end]
+        if sharding == "no_shard":
+            full[bucket.index] = bucket.grad
+        else:  # only this rank's shard is reduced: assemble the others'
+            parts = [torch.empty_like(shard) for _ in range(state.dp_size)]
+            torch.distributed.all_gather(parts, shard, group=state.dp_group)
+            full[bucket.index] = torch.cat(parts)
+    grads = {}
+    for chunk in pipe.chunks:
+        for name, p in chunk.named_parameters():
+            bucket, offset = where[id(p)]
+            g = full[bucket.index][offset:offset + p.numel()].view(p.shape)
+            if getattr(p, "tensor_model_parallel", False):
+                g = gather_tensor(g, p.partition_dim, p.partition_stride, state.tp_group)
+            grads[name] = g.clone()
+    keep = state.dp_rank == 0 and state.tp_rank == 0
+    return {"loss": loss, "grads": grads if keep else {}, "peak_count": result.peak_stash_count}
+
+
+def _looped_id(c):
+    preset, pp, per_stage, split, layered, sharding = c
+    return f"pp{pp}-lps{per_stage}-B{'m' if split == 1 else 'm/2'}-{'layered' if layered else 'hooks'}-{sharding}"
+
+
+@pytest.mark.parametrize("case", LOOPED_BFS, ids=_looped_id)
+def test_exact_looped_bfs(case):
+    preset, pp, per_stage, split, layered, sharding = case
+    dp, v, m = 2, 2, 2 * pp
+    layers = pp * v * per_stage
+    options = {"breadth_first_microbatches": m // split, "layered_grad_accumulation": layered}
+    results = run_distributed(pp * dp, looped_run, preset, layers, pp, m, v, options, sharding)
+    ref_loss, ref_grads = _reference_cached(preset, layers, MICRO_BATCH * m * dp)
+    check(results, ref_loss, ref_grads, case)
+    assert {r["peak_count"] for r in results} == {v * m // split}  # v chunks x B stashes on every rank
+
+
+# BPipe (SCHEDULES.md §3): 1F1B with stashes parked on the partner rank p-1-x. One layer per stage.
+# (preset, tp, pp, m, options, sequence_parallel).
+BPIPE = [
+    ("gpt-tiny", 1, 4, 4, {}, False),  # m = p, K = 3: rank 0 parks one stash per step on rank 3
+    ("gpt-tiny", 1, 4, 5, {"bpipe_max_resident": 2}, False),  # odd m
+    ("llama-tiny", 1, 4, 8, {"bpipe_max_resident": 2}, False),  # m = 2p: ranks 0 and 1 park on 3 and 2
+    ("gpt-tiny", 1, 5, 10, {"bpipe_max_resident": 3}, False),  # odd p: rank 2 has no partner
+    ("gpt-tiny", 1, 8, 8, {}, False),  # K = 5: ranks 0, 1, 2 park up to 3, 2, 1 stashes
+    ("llama-tiny", 2, 4, 4, {"bpipe_max_resident": 2}, True),  # tp = 2 with sequence parallelism
+]
+
+
+def _bpipe_id(c):
+    preset, tp, pp, m, options, sp = c
+    return f"{preset}-tp{tp}-pp{pp}-m{m}" + "".join(f"-K{v}" for v in options.values()) + ("-sp" if sp else "")
+
+
+@pytest.mark.parametrize("case", BPIPE, ids=_bpipe_id)
+def test_exact_bpipe(case):
+    preset, tp, pp, m, options, sp = case
+    results = run_distributed(tp * pp, pipeline_run, preset, pp, tp, pp, "bpipe", m, 1, sp, options)
+    ref_loss, ref_grads = _reference_cached(preset, pp, MICRO_BATCH * m)
+    check(results, ref_loss, ref_grads, case)
+    # The parking really ran: every rank's measured resident peak is the simulated one.
+    sim = simulate(build_schedule("bpipe", pp, m, **options))
+    assert {(r["pp_rank"], r["peak_count"]) for r in results} == set(enumerate(sim.peak_stash))
+    assert sim.peak_parked[0] > 0
+
+
+@pytest.mark.parametrize("tp, pp, m, split, sharding", [
+    (2, 2, 4, 2, "optim_grads_params"),  # tp 2 x pp 2 x dp 2 with sequence parallelism, two groups
+    (1, 2, 3, 1, "optim"),  # odd m (>= p), one group
+], ids=["tp2-sp-pp2-dp2-zero3", "pp2-dp2-m3"])
+def test_exact_looped_bfs_tensor_parallel_and_odd_m(tp, pp, m, split, sharding):
+    dp, v, layers = 2, 2, 8
+    options = {"breadth_first_microbatches": m // split, "layered_grad_accumulation": True}
+    results = run_distributed(tp * pp * dp, looped_run, "gpt-tiny", layers, pp, m, v, options, sharding, tp, tp > 1)
+    ref_loss, ref_grads = _reference_cached("gpt-tiny", layers, MICRO_BATCH * m * dp)
+    check(results, ref_loss, ref_grads, (tp, pp, m, split, sharding))

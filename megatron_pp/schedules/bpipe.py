@@ -1,0 +1,202 @@
+"""The BPipe pass (SCHEDULES.md §3): balance 1F1B's stash memory by parking stashes on the partner rank.
+
+Under 1F1B with flush rank s holds up to p − s stashes: p on rank 0, one on the last rank. BPipe pairs
+rank x with rank y = p − 1 − x (together they hold p + 1 at their peaks) and keeps at most
+K = ⌈(p + 2)/2⌉ stashes resident on a rank between its actions (`--bpipe-max-resident` changes K). `add_bpipe` rewrites each evicting
+rank's compute list by counting, without timing:
+
+- after a forward that takes the rank above K, `EVICT j>y` ships the stash just made (the newest: 1F1B
+  runs backwards oldest first, so it is needed last) to the partner;
+- after every backward that leaves the rank below K with stashes parked, `LOAD i<y` brings back the
+  oldest parked one. The resident set is then always the K oldest outstanding stashes, so a loaded
+  stash's backward comes K − 1 backwards later and the copy hides behind that much compute.
+
+In the steady state an evicting rank sends one stash and fetches one per 1F1B step. Only ranks with
+p − x > K evict (x ≤ p/2 − 2 for even p); the middle rank of an odd p has no partner. Forward and
+backward order, and so the bubble and the numerics, are those of 1F1B; only EVICT/LOAD are added, and
+the partner's list is untouched (it serves each transfer in the evictor's order beside its own list, see
+`peer_store.AcceptorStore`).
+
+Counting as the simulator and the executor do (a stash is resident from the start of its forward until
+its eviction has completed, a parked stash counts on the partner from the start of its EVICT until its
+LOAD has delivered it, and a loaded one counts again from the start of its LOAD), an evicting rank peaks
+at K + 1: the forward that exceeds the bound holds its new stash before it can leave. The executor
+finishes pending evictions before the next forward allocates, so it never holds K + 2. The partner holds
+its own ≤ x + 1 and ≤ p − x − K parked stashes (a stash is evicted before the previous one is loaded
+back, both in the list and on the partner's service thread), so ≤ p + 1 − K ≤ K.
+
+Worked example, p = 4, m = 8, K = 3 (`format_table(per_row=10)` with transfers shown). Rank 0's 1F1B
+peak is 4, so from F3 on each forward's stash goes to rank 3 and comes back after the next backward;
+ranks 1–3 hold at most 3 and evict nothing:
+
+    rank 0 | F0.0       F1.0       F2.0       F3.0       EVICT3.0>3 B0.0       LOAD3.0<3  F4.0       EVICT4.0>3 B1.0
+    rank 1 | F0.0       F1.0       F2.0       B0.0       F3.0       B1.0       F4.0       B2.0       F5.0       B3.0
+    rank 2 | F0.0       F1.0       B0.0       F2.0       B1.0       F3.0       B2.0       F4.0       B3.0       F5.0
+    rank 3 | F0.0       B0.0       F1.0       B1.0       F2.0       B2.0       F3.0       B3.0       F4.0       B4.0
+
+    rank 0 | LOAD4.0<3  F5.0       EVICT5.0>3 B2.0       LOAD5.0<3  F6.0       EVICT6.0>3 B3.0       LOAD6.0<3  F7.0
+    rank 1 | F6.0       B4.0       F7.0       B5.0       B6.0       B7.0
+    rank 2 | B4.0       F6.0       B5.0       F7.0       B6.0       B7.0
+    rank 3 | F5.0       B5.0       F6.0       B6.0       F7.0       B7.0
+
+    rank 0 | EVICT7.0>3 B4.0       LOAD7.0<3  B5.0       B6.0       B7.0
+    rank 1 |
+    rank 2 |
+    rank 3 |
+
+Simulated with F = 1, B = 2 and transfers of 0.25 forward (the default), the peaks are 4 3 2 2 against
+1F1B's 4 3 2 1, the makespan is 1F1B's 33 and no backward waits for its load. At p = 4 the default bound
+therefore saves nothing at the peak (the evicting forward is the peak); `--bpipe-max-resident 2` gives
+3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 4 4 against 8 7 6 5 4 3 2 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import deque
+
+from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.ir import COMM_OPS, TRANSFER_OPS, Action, Op, Schedule
+from megatron_pp.schedules.simulate import CostModel, simulate
+
+
+class BPipeWarning(UserWarning):
+    """The pass's transfers do not hide behind compute in the simulated step (see `warn_unhidden_transfers`)."""
+
+
+def default_max_resident(num_ranks: int) -> int:
+    """BPipe's bound K = ⌈(p + 2)/2⌉ (p/2 + 1 for even p): resident stashes per rank."""
+    return -(-(num_ranks + 2) // 2)
+
+
+def partner(rank: int, num_ranks: int) -> int | None:
+    """The rank that `rank` is paired with (p − 1 − rank), or None for the middle rank of an odd p."""
+    other = num_ranks - 1 - rank
+    return None if other == rank else other
+
+
+def _check_input(schedule: Schedule, max_resident: object) -> int:
+    if schedule.num_chunks != 1:
+        raise ValueError(f"bpipe pairs whole pipeline stages and takes one chunk per rank; schedule "
+                         f"{schedule.name!r} has {schedule.num_chunks} (drop --num-layers-per-virtual-pipeline-stage)")
+    for rank, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.op in COMM_OPS or a.op in TRANSFER_OPS:
+                raise ValueError(f"the bpipe pass expects a compute-only schedule; rank {rank}, action {i} is {a} "
+                                 "(run it before insert_communication, once, and not after the offload pass)")
+    bound = default_max_resident(schedule.num_ranks) if max_resident is None else max_resident
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+        raise ValueError(f"--bpipe-max-resident must be a positive int (stashes kept on each rank), got "
+                         f"{max_resident!r}")
+    return bound
+
+
+def _evicting_list(actions: list[Action], peer: int, bound: int) -> list[Action]:
+    """One rank's list with EVICT/LOAD inserted by the counting rule of the module docstring."""
+    out: list[Action] = []
+    resident = 0
+    parked: deque[tuple[int, int]] = deque()
+    for a in actions:
+        out.append(a)
+        if a.op is Op.F:
+            resident += 1
+            if resident > bound:
+                out.append(Action(Op.EVICT, a.microbatch, a.chunk, peer))
+                parked.append((a.microbatch, a.chunk))
+                resident -= 1
+        elif a.op in (Op.B, Op.BW):  # the stash is gone once its whole backward has run
+            resident -= 1
+            while parked and resident < bound:
+                microbatch, chunk = parked.popleft()
+                out.append(Action(Op.LOAD, microbatch, chunk, peer))
+                resident += 1
+    return out
+
+
+def add_bpipe(schedule: Schedule, max_resident: int | None = None) -> Schedule:
+    """The pass: EVICT/LOAD on every rank x < p − 1 − x whose count exceeds `max_resident` (default K).
+
+    Returns compute lists plus transfers (communication is inserted later, as for every schedule). It
+    places transfers by counting alone; `warn_unhidden_transfers` checks them on a simulated timeline.
+    """
+    bound = _check_input(schedule, max_resident)
+    p = schedule.num_ranks
+    lists = []
+    for rank, acts in enumerate(schedule.actions):
+        peer = partner(rank, p)
+        lists.append(_evicting_list(acts, peer, bound) if peer is not None and rank < peer else list(acts))
+    return dataclasses.replace(schedule, actions=lists, options={**schedule.options, "bpipe_max_resident": bound})
+
+
+def warn_unhidden_transfers(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
+    """Return `schedule`, warning with a `BPipeWarning` when, simulated under `costs` (default
+    `CostModel()`), its transfers are not hidden: a backward waits for its LOAD, or the step takes longer
+    than the same lists without EVICT/LOAD (forwards waiting for the eviction that makes room for them on
+    the critical path). A forward of the warm-up that waits while its rank would idle anyway is hidden."""
+    waits = transfer_waits(schedule, costs)
+    late_loads = {key: wait for key, wait in waits.items() if key[1].op is not Op.F}
+    bare = dataclasses.replace(schedule, actions=[[a for a in acts if a.op not in (Op.EVICT, Op.LOAD)]
+                                                  for acts in schedule.actions])
+    if not any(a.op in COMM_OPS for acts in schedule.actions for a in acts):
+        schedule_c, bare = insert_communication(schedule), insert_communication(bare)
+    else:
+        schedule_c = schedule
+    exposed = simulate(schedule_c, costs).makespan - simulate(bare, costs).makespan
+    if late_loads or exposed > 1e-9:
+        (rank, action), wait = max(waits.items(), key=lambda item: item[1])
+        bound = schedule.options.get("bpipe_max_resident")
+        warnings.warn(BPipeWarning(
+            f"bpipe: transfers are not hidden in the simulated step ({exposed:g} time units longer than without "
+            f"them; {len(late_loads)} backward(s) wait for their LOAD; longest wait: rank {rank}, {action}, "
+            f"{wait:g}): the link is too slow for --bpipe-max-resident {bound}; a larger bound or a faster link "
+            "hides them"), stacklevel=2)
+    return schedule
+
+
+def transfer_waits(schedule: Schedule, costs: CostModel | None = None) -> dict[tuple[int, Action], float]:
+    """Computes that start later because of a peer transfer: (rank, action) -> delay, for a backward
+    whose stash's LOAD had not arrived and a forward whose rank's earlier EVICTs had not completed.
+
+    `schedule` may be compute-only (communication is inserted on a copy). The delay is measured on the
+    simulated timeline from when the compute's rank and received inputs were ready.
+    """
+    if not any(a.op in (Op.EVICT, Op.LOAD) for acts in schedule.actions for a in acts):
+        return {}
+    if not any(a.op in COMM_OPS for acts in schedule.actions for a in acts):
+        schedule = insert_communication(schedule)
+    timed = simulate(schedule, costs)
+    waits: dict[tuple[int, Action], float] = {}
+    for rank, entries in enumerate(timed.timeline):
+        loaded_at: dict[tuple[int, int], float] = {}
+        evicted_at = 0.0
+        received_at: dict[tuple[Op, int, int], float] = {}  # (F or B, mb, chunk) -> its receive batch is done
+        ready = 0.0  # when the compute stream of this rank is free
+        i = 0
+        while i < len(entries):
+            action, start, end = entries[i]
+            if action.is_comm:
+                # A consumer waits for every receive of its batch (see simulate), so time the batch as one.
+                j = i
+                while j < len(entries) and entries[j][0].is_comm:
+                    j += 1
+                done = max(e for _, _, e in entries[i:j])
+                for member, _, _ in entries[i:j]:
+                    if member.op in (Op.RECV_F, Op.RECV_B):
+                        consumer = Op.F if member.op is Op.RECV_F else Op.B
+                        received_at[consumer, member.microbatch, member.chunk] = done
+                i = j
+                continue
+            key = (action.microbatch, action.chunk)
+            if action.op is Op.LOAD:
+                loaded_at[key] = end
+            elif action.op is Op.EVICT:
+                evicted_at = max(evicted_at, end)
+            elif action.is_compute:
+                consumer = Op.F if action.op is Op.F else Op.B
+                free = max(ready, received_at.get((consumer, *key), 0.0))
+                blocker = evicted_at if action.op is Op.F else loaded_at.get(key, 0.0)
+                if action.op is not Op.BW and blocker > free + 1e-9:
+                    waits[rank, action] = blocker - free
+                ready = end
+            i += 1
+    return waits

@@ -1,0 +1,221 @@
+"""The training loop of PipeDream-2BW: one executor call per batch and no flush between calls.
+
+`TwoBWTrainer` replaces `Trainer`'s iteration; evaluation, checkpoints and logging stay `Trainer`'s. What
+changes (docs/2bw.md):
+
+- **Calls that span steps.** Call t runs this rank's segment of the step-spanning list
+  (`schedules.twobw.StepPlan`): batch t's remaining forwards and all its backwards, the first p−s−1
+  forwards of batch t+1, and the deferred update of batch t−1 (STEP). Microbatches in flight between
+  calls stay in the executor; the data of batch t+1 is loaded by call t, which starts it.
+- **Flushes only where needed, planned.** The loop knows ahead which iterations end training, evaluate,
+  save or exit (`--exit-interval`): the call of such an iteration is a cool-down (no forwards of the next
+  batch, both pending updates applied) and the next call a warm-up. Everywhere else nothing waits for
+  another rank between calls: no barrier, no blocking collective.
+- **Metrics one call late.** Batch t's loss is on the last stage and its update runs in call t+1, so each
+  rank starts one world all-reduce of the batch's metrics after its call (loss, the early-exit flags,
+  peak memory per stage) and every rank reads it after the next call, when it has long completed; the
+  row of iteration t+1 is then logged (at a flush, at once).
+- **Early exits without a barrier.** `ExitConditions.check` all-reduces every step; here the signal and
+  time flags ride on the metrics all-reduce instead. The ranks learn the agreed stop one call later, and
+  the call after that flushes and saves: a signal stops training two iterations after it arrived.
+- **Checkpoints** hold the newest weights as the model files, as for any schedule, and the older version
+  plus the next batches' loss scales as the schedule state; a resumed run continues exactly as the
+  uninterrupted one (a flush changes no number: the same actions run in the same order per rank).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_pp.core.tensor_parallel.utils import PendingCollective
+from megatron_pp.schedules.execute import StepResult
+from megatron_pp.schedules.twobw import CallKind, build_plan
+from megatron_pp.training.checkpointing import CheckpointError
+from megatron_pp.training.signals import ExitConditions
+from megatron_pp.training.train import Trainer, evaluation_enabled, global_token_count, write_trace
+from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions
+
+
+@dataclass
+class _Call:
+    """What one call measured, kept until its batch's row can be logged."""
+
+    tokens: float
+    time_s: float
+    comm_wait_s: float
+    metrics: PendingCollective
+    """World sum of [loss sum, signal flag, time-up flag, peak stash bytes per stage, peak memory per stage]."""
+
+
+class TwoBWTrainer(Trainer):
+    """`Trainer` for `--pipeline-schedule 2bw` (module docstring)."""
+
+    optimizer: DelayedUpdateOptimizer
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.pipe.versions is None:
+            raise ValueError("TwoBWTrainer needs a pipeline built with weight versions (--pipeline-schedule 2bw)")
+        self.versions: WeightVersions = self.pipe.versions
+        self.plan = build_plan(self.state.pp_size, self.data.num_microbatches)
+        batch_size = self.args.global_batch_size
+        self.optimizer.lr_of_batch = lambda t: self.lr_schedule.learning_rate(t + 1, (t + 1) * batch_size)
+        self._fresh = True  # the next call starts after a flush (or the start)
+        self._loaded: dict[int, list[dict]] = {}  # batch -> this replica's microbatches
+        self._calls: dict[int, _Call] = {}
+        self._stop_flags = (False, False)  # agreed (signal, time up), from the metrics of finished batches
+
+    # One call ---------------------------------------------------------------------------------------------
+    def train_call(self, flush: bool, exit_conditions: ExitConditions) -> list[dict]:
+        """Run the call of the next batch (ending in a flush if `flush`); returns the rows it completed."""
+        args, state, data = self.args, self.state, self.data
+        batch = self.progress.iteration
+        m = data.num_microbatches
+        for b in (batch,) if flush else (batch, batch + 1):
+            if b not in self._loaded:
+                first = self.progress.consumed_samples + (b - batch) * args.global_batch_size
+                self._loaded[b] = data.microbatches(data.train, first, state.dp_rank, state.device)
+        microbatches = {b * m + i: mb for b, mbs in self._loaded.items() for i, mb in enumerate(mbs)}
+        tokens = global_token_count(self._loaded[batch], state)
+        multiplier = self.optimizer.begin_batch(batch)
+        self.optimizer.reducer.start_step(m)
+        segment = self.plan.segment(CallKind.of(self._fresh, flush), state.pp_rank, batch)
+        start, wall = time.perf_counter(), time.time()
+        result = self.pipe.executor.run(microbatches, loss_scale=multiplier / tokens, segment=segment)
+        self.optimizer.finish_batch(batch)
+        elapsed = time.perf_counter() - start
+        del self._loaded[batch]
+        self._fresh = flush
+        self._calls[batch] = _Call(tokens, elapsed, result.comm_wait_s, self._start_metrics(result, exit_conditions))
+        if args.trace_file:  # calls overlap across ranks: keep wall-clock times, comparable between ranks
+            self.traces.append([(label, wall + s, wall + e) for label, s, e in result.events])
+        self.progress.iteration += 1
+        self.progress.consumed_samples += args.global_batch_size
+        return [self._row(b) for b in sorted(self.optimizer.outcomes)]
+
+    def _start_metrics(self, result: StepResult, exit_conditions: ExitConditions) -> PendingCollective:
+        state = self.state
+        pp = state.pp_size
+        values = torch.zeros(3 + 2 * pp, dtype=torch.float64)
+        if result.loss_sum is not None and state.tp_rank == 0:
+            values[0] = float(result.loss_sum)  # tensor-parallel ranks hold the same loss; dp ranks add up
+        values[1:3] = torch.tensor(exit_conditions.local_flags(), dtype=torch.float64)
+        if state.tp_rank == 0 and state.dp_rank == 0:
+            values[3 + state.pp_rank] = float(result.peak_stash_bytes)
+            if state.device.type == "cuda":
+                values[3 + pp + state.pp_rank] = float(torch.cuda.max_memory_allocated(state.device))
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return PendingCollective(None, lambda: values)
+        values = values.to(state.device)
+        return PendingCollective(dist.all_reduce(values, async_op=True), lambda: values.cpu())
+
+    def _row(self, batch: int) -> dict:
+        """The metrics row of `batch` (iteration batch+1), once its update ran (every rank builds it)."""
+        args, state = self.args, self.state
+        outcome, lr = self.optimizer.outcomes.pop(batch)
+        call = self._calls.pop(batch)
+        values = call.metrics.wait().tolist()
+        pp = state.pp_size
+        self._stop_flags = (self._stop_flags[0] or values[1] > 0, self._stop_flags[1] or values[2] > 0)
+        tflops = self.flops.model / call.time_s / state.world_size / 1e12
+        hardware_tflops = self.flops.hardware / call.time_s / state.world_size / 1e12
+        return {
+            "iteration": batch + 1,
+            "consumed_samples": (batch + 1) * args.global_batch_size,
+            "loss": values[0] / call.tokens,
+            "grad_norm": outcome.grad_norm,
+            "lr": lr,
+            "global_batch_size": args.global_batch_size,
+            "loss_scale": 1.0 if outcome.loss_scale is None else outcome.loss_scale,
+            "skipped": outcome.skipped,
+            "step_time_s": call.time_s,
+            "tokens_per_s": call.tokens / call.time_s,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "hfu": hardware_tflops / self.peak_tflops if self.peak_tflops else None,
+            "peak_stash_bytes": [int(v) for v in values[3:3 + pp]],
+            "peak_memory_bytes": [int(v) for v in values[3 + pp:]] if state.device.type == "cuda" else None,
+            "comm_wait_s": call.comm_wait_s,
+        }
+
+    # The loop ---------------------------------------------------------------------------------------------
+    def run(self, exit_conditions: ExitConditions) -> list[dict]:
+        """As `Trainer.run`, with flushes planned before the iterations that need them."""
+        args = self.args
+        rows: list[dict] = []
+
+        def record(row: dict, evaluation: bool = False) -> None:
+            if self.logger is not None:
+                rows.append(row)
+                (self.logger.evaluation if evaluation else self.logger.train)(row)
+
+        last_eval: Optional[int] = None
+        stop: Optional[str] = None
+        while self.progress.iteration < args.train_iters:
+            iteration = self.progress.iteration + 1
+            evaluate = evaluation_enabled(args) and iteration % args.eval_interval == 0
+            save = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+            stop = exit_conditions.reason(*self._stop_flags, iteration)
+            flush = stop is not None or evaluate or save or iteration == args.train_iters
+            for row in self.train_call(flush, exit_conditions):
+                record(row)
+            if evaluate:
+                record(self.evaluate(), evaluation=True)
+                last_eval = iteration
+            if save:
+                self.save()
+            if stop is not None:
+                if args.save and self.last_saved != iteration:
+                    self.save()
+                self.log(f"exiting after iteration {iteration}: {stop}")
+                break
+        if stop is None:
+            if evaluation_enabled(args) and last_eval != self.progress.iteration:
+                record(self.evaluate(), evaluation=True)
+            if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
+                self.save()
+        if args.trace_file:
+            self._write_trace(args.trace_file)
+        return rows
+
+    def _write_trace(self, path: str) -> None:
+        events = [event for call in self.traces for event in call]
+        gathered = [events]
+        if dist.is_initialized() and self.state.world_size > 1:
+            gathered = [None] * self.state.world_size
+            dist.all_gather_object(gathered, events)
+        if self.state.rank == 0:
+            origin = min((start for rank in gathered for _, start, _ in rank), default=0.0)
+            write_trace(path, [[(label, s - origin, e - origin) for label, s, e in rank] for rank in gathered])
+
+    # Between flushed steps --------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        self.versions.use(self.versions.newest)
+        return super().evaluate()
+
+    def save(self) -> None:
+        self.versions.use(self.versions.newest)  # the model files hold the newest weights
+        super().save()
+
+    def schedule_state(self) -> dict:
+        if not self.optimizer.flushed or not self._fresh:
+            raise RuntimeError("2BW checkpoint requested between unflushed steps")
+        next_batch = self.progress.iteration
+        return {"two_bw": {"next_batch": next_batch, "older_weights": self.versions.older(),
+                           **self.optimizer.position_state(next_batch)}}
+
+    def load_schedule_state(self, state: dict) -> None:
+        next_batch = self.progress.iteration
+        saved = state.get("two_bw")
+        if saved is not None and saved["next_batch"] != next_batch:
+            raise CheckpointError(f"2BW schedule state is for batch {saved['next_batch']}, the checkpoint for "
+                                  f"iteration {next_batch}")
+        # Without it (weights from another schedule or a conversion) both versions start equal, as at step 0.
+        self.versions.restore(next_batch + 1, saved["older_weights"] if saved is not None else None)
+        self.optimizer.restore_position(next_batch, saved,
+                                        main_loaded=not (self.args.no_load_optim or self.args.finetune))
+        self._fresh = True

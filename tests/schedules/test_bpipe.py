@@ -1,0 +1,226 @@
+"""The BPipe pass, its validator rules and its simulation (SCHEDULES.md §3), without processes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_pp.schedules import bpipe as bpipe_module
+from megatron_pp.schedules.bpipe import (BPipeWarning, add_bpipe, default_max_resident, transfer_waits, partner,
+                                         warn_unhidden_transfers)
+from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.generators import looped_placement, one_f_one_b
+from megatron_pp.schedules.ir import COMPUTE_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.offload import add_offload
+from megatron_pp.schedules.registry import build_schedule, options_from_args
+from megatron_pp.schedules.simulate import CostModel, simulate
+from megatron_pp.schedules.validate import validate
+
+
+def test_docstring_table_is_the_pass_output():
+    doc = "\n".join(line.strip() for line in bpipe_module.__doc__.splitlines())
+    assert add_bpipe(one_f_one_b(4, 8)).format_table(per_row=10, ops=COMPUTE_OPS | TRANSFER_OPS) in doc
+
+
+def test_bound_and_pairs():
+    assert [default_max_resident(p) for p in (1, 2, 3, 4, 5, 6, 7, 8, 12)] == [2, 2, 3, 3, 4, 4, 5, 5, 7]
+    assert [partner(r, 5) for r in range(5)] == [4, 3, None, 1, 0]
+    assert [partner(r, 4) for r in range(4)] == [3, 2, 1, 0]
+
+
+def _without_transfers(schedule: Schedule) -> list[list[Action]]:
+    return [[a for a in acts if a.op not in TRANSFER_OPS] for acts in schedule.actions]
+
+
+@pytest.mark.parametrize("p", range(2, 10))
+def test_pass_keeps_1f1b_and_bounds_every_rank(p):
+    for m in sorted({1, max(1, p // 2), p, 2 * p + 1}):
+        for bound in sorted({default_max_resident(p), 2, p - 1} - {0}):
+            plain = one_f_one_b(p, m)
+            schedule = build_schedule("bpipe", p, m, bpipe_max_resident=bound)
+            assert schedule.options == {"bpipe_max_resident": bound}
+            assert [[a for a in acts if a.is_compute] for acts in schedule.actions] == plain.actions
+            base = simulate(build_schedule("1f1b", p, m))
+            result = simulate(schedule)
+            # Order unchanged and transfers hidden: 1F1B's timing exactly, no backward waits for a load.
+            assert result.makespan == base.makespan and result.busy == base.busy, (p, m, bound)
+            assert not [action for _, action in transfer_waits(schedule) if action.op is not Op.F]
+            for x in range(p):
+                counts = min(p - x, m)
+                evicts = [a for a in schedule.actions[x] if a.op is Op.EVICT]
+                y = partner(x, p)
+                if y is not None and x < y and counts > bound:
+                    assert {a.peer for a in evicts} == {y}
+                    assert result.peak_stash[x] == bound + 1  # the forward that exceeds the bound
+                    assert result.peak_parked[x] == counts - bound
+                    assert result.peak_stash[y] <= (x + 1) + (counts - bound)
+                else:
+                    assert not evicts and result.peak_parked[x] == 0
+            if bound == default_max_resident(p):
+                assert max(result.peak_stash) <= bound + 1
+                acceptors = {partner(x, p) for x in range(p)
+                             if any(a.op is Op.EVICT for a in schedule.actions[x])}
+                assert all(result.peak_stash[y] <= bound for y in acceptors)
+
+
+def test_p8_peaks_against_1f1b():
+    """SCHEDULES.md §3.1's example: p = 8, K = 5; ranks 0, 1, 2 park 3, 2, 1 stashes on 7, 6, 5."""
+    result = simulate(build_schedule("bpipe", 8, 16))
+    assert simulate(build_schedule("1f1b", 8, 16)).peak_stash == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert result.peak_stash == [6, 6, 6, 5, 4, 4, 4, 4]
+    assert result.peak_parked == [3, 2, 1, 0, 0, 0, 0, 0]
+    # Steady state: one evict and one load per 1F1B step on each evicting rank.
+    rank0 = [str(a) for a in build_schedule("bpipe", 8, 16).actions[0] if a.is_compute or a.op in TRANSFER_OPS]
+    assert rank0[rank0.index("F8.0"):rank0.index("F10.0")] == [
+        "F8.0", "EVICT8.0>7", "B1.0", "LOAD6.0<7", "F9.0", "EVICT9.0>7", "B2.0", "LOAD7.0<7"]
+
+
+def test_text_form_shows_and_restores_the_transfers():
+    schedule = build_schedule("bpipe", 4, 8)
+    text = schedule.to_text()
+    assert "EVICT3.0>3" in text and "LOAD3.0<3" in text
+    assert 'options: {"bpipe_max_resident": 3}' in text
+    again = Schedule.from_text(text)
+    assert again == schedule
+    validate(again)
+
+
+# Validator ------------------------------------------------------------------------------------------------
+
+def _moved(schedule: Schedule, rank: int, token: str, after: str) -> Schedule:
+    """`schedule` (compute lists) with action `token` of `rank` moved to just after `after`."""
+    acts = list(schedule.actions[rank])
+    moved = acts.pop([str(a) for a in acts].index(token))
+    acts.insert([str(a) for a in acts].index(after) + 1, moved)
+    return dataclasses.replace(schedule, actions=[acts if r == rank else a for r, a in enumerate(schedule.actions)])
+
+
+def test_validator_rejects_a_load_after_its_backward():
+    late = _moved(add_bpipe(one_f_one_b(4, 8)), 0, "LOAD3.0<3", "B3.0")
+    with pytest.raises(ScheduleError, match=r"rank 0, action \d+ \(B3.0\): its stash is off the device since "
+                                            r"EVICT3.0>3 \(action \d+\); LOAD3.0<3 must come before the backward"):
+        validate(insert_communication(late))
+
+
+def _hand(p: int, lists: dict[int, str]) -> Schedule:
+    """1F1B compute lists of p ranks, m = p, with the given ranks' lists replaced by text."""
+    base = one_f_one_b(p, p)
+    actions = [[Action.parse(t) for t in lists[r].split()] if r in lists else acts
+               for r, acts in enumerate(base.actions)]
+    return insert_communication(dataclasses.replace(base, actions=actions))
+
+
+@pytest.mark.parametrize("lists, message", [
+    # An acceptor serves one evictor's order on one link: pairs must be disjoint.
+    ({0: "F0.0 F1.0 F2.0 F3.0 EVICT3.0>3 B0.0 LOAD3.0<3 B1.0 B2.0 B3.0",
+      1: "F0.0 F1.0 F2.0 EVICT2.0>3 B0.0 LOAD2.0<3 F3.0 B1.0 B2.0 B3.0"},
+     r"rank 1, action \d+ \(EVICT2.0>3\): rank 3 already hosts stashes of rank 0; an acceptor hosts one evictor"),
+    ({0: "F0.0 F1.0 F2.0 EVICT2.0>2 F3.0 EVICT3.0>3 B0.0 LOAD2.0<2 LOAD3.0<3 B1.0 B2.0 B3.0"},
+     r"rank 0, action \d+ \(EVICT3.0>3\): parks on rank 3 but already parks on rank 2"),
+    ({0: "F0.0 F1.0 F2.0 F3.0 EVICT3.0>3 B0.0 LOAD3.0<3 B1.0 B2.0 B3.0",
+      3: "F0.0 EVICT0.0>2 LOAD0.0<2 B0.0 F1.0 B1.0 F2.0 B2.0 F3.0 B3.0"},
+     r"rank 0, action \d+ \(EVICT3.0>3\): rank 3 parks stashes of its own on rank 2"),
+])
+def test_validator_pairing_rules(lists, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate(_hand(4, lists))
+
+
+def test_validator_accepts_hand_parking_on_any_disjoint_pair():
+    validate(_hand(4, {1: "F0.0 F1.0 F2.0 EVICT2.0>0 B0.0 LOAD2.0<0 F3.0 B1.0 B2.0 B3.0"}))
+
+
+# Options and composition ------------------------------------------------------------------------------------
+
+def test_options_and_refusals():
+    with pytest.raises(ValueError, match=r"pipeline schedule 'bpipe' has no virtual stages"):
+        build_schedule("bpipe", 4, 8, 2)
+    with pytest.raises(ValueError, match=r"--bpipe-max-resident must be a positive int .* got 0"):
+        build_schedule("bpipe", 4, 8, bpipe_max_resident=0)
+    with pytest.raises(ValueError, match=r"bpipe pairs whole pipeline stages and takes one chunk per rank"):
+        add_bpipe(build_schedule("interleaved-1f1b", 4, 8, 2))
+    with pytest.raises(ValueError, match=r"expects a compute-only schedule.* not after the offload pass"):
+        add_bpipe(add_offload(one_f_one_b(4, 8), 1))
+    with pytest.raises(ValueError, match=r"offload cannot be combined with BPipe"):
+        add_offload(add_bpipe(one_f_one_b(4, 8)), 1)
+
+    class Args:  # what the argument parser produces
+        bpipe_max_resident = 2
+        offload_chunks = None
+
+    assert options_from_args(Args(), "bpipe") == {"bpipe_max_resident": 2}
+    with pytest.raises(ValueError, match=r"--bpipe-max-resident does not apply to --pipeline-schedule 1f1b"):
+        options_from_args(Args(), "1f1b")
+    Args.bpipe_max_resident, Args.offload_chunks = None, 1
+    with pytest.raises(ValueError, match=r"--offload-chunks does not apply to --pipeline-schedule bpipe"):
+        options_from_args(Args(), "bpipe")
+
+
+# Simulation ---------------------------------------------------------------------------------------------------
+
+def test_transfers_take_bytes_over_bandwidth_and_bytes_weigh_the_curves():
+    s = Schedule("hand", 2, 1, 1, looped_placement(2, 1),
+                 [[Action.parse(t) for t in "F0.0 EVICT0.0>1 LOAD0.0<1 B0.0".split()],
+                  [Action.parse(t) for t in "F0.0 B0.0".split()]])
+    result = simulate(s, CostModel(stash_bytes=[10.0, 1.0], peer_bandwidth=20.0))
+    assert [(str(a), st, en) for a, st, en in result.timeline[0]] == [
+        ("F0.0", 0, 1), ("EVICT0.0>1", 1, 1.5), ("LOAD0.0<1", 1.5, 2), ("B0.0", 2, 4)]
+    # Rank 1 holds its own stash (1 byte) from 0 to 3 and rank 0's (10 bytes) from 1 to 2.
+    assert result.peak_bytes == [10.0, 11.0] and result.peak_stash == [1, 2]
+    assert simulate(s).peak_bytes == []
+    unit = simulate(build_schedule("bpipe", 6, 12), CostModel(stash_bytes=[1.0] * 6))
+    assert unit.peak_bytes == unit.peak_stash
+    with pytest.raises(ValueError, match=r"peer_bandwidth must be > 0 and needs stash_bytes"):
+        CostModel(peer_bandwidth=1.0)
+
+
+def test_a_forward_waits_for_the_eviction_before_it():
+    """p = 8 warm-up: F6 on rank 0 cannot start before EVICT5 has freed its stash's memory."""
+    schedule = build_schedule("bpipe", 8, 8)
+    result = simulate(schedule, CostModel(transfer=0.5))
+    times = {str(a): (st, en) for a, st, en in result.timeline[0]}
+    assert times["F5.0"] == (5, 6) and times["EVICT5.0>7"] == (6, 6.5)
+    assert times["F6.0"] == (6.5, 7.5) and times["EVICT6.0>7"] == (7.5, 8)
+    assert result.peak_stash[0] == 6  # K + 1, never K + 2
+    # The delay stays in the warm-up: rank 0 idles there anyway, so the step is as long as 1F1B's.
+    assert result.makespan == simulate(build_schedule("1f1b", 8, 8)).makespan
+
+
+def test_slow_transfers_are_reported():
+    slow = CostModel(transfer=3.0)
+    with pytest.warns(BPipeWarning, match=r"transfers are not hidden in the simulated step \(\d+(\.\d+)? time units "
+                                          r"longer than without them; \d+ backward\(s\) wait .* too slow for "
+                                          r"--bpipe-max-resident 2"):
+        schedule = warn_unhidden_transfers(add_bpipe(one_f_one_b(4, 8), 2), slow)
+    waits = transfer_waits(schedule, slow)
+    assert waits and all(wait > 0 for wait in waits.values())
+    # Each forward waits for the eviction that makes room for it, on the critical path: a longer step.
+    assert {action.op for _, action in waits} == {Op.F}
+    # K = 1: a load is issued right after the backward before its own, with one forward between them; a
+    # transfer longer than that forward makes the backward wait.
+    tight = transfer_waits(add_bpipe(one_f_one_b(4, 8), 1), CostModel(transfer=1.5))
+    assert {(rank, action.op) for rank, action in tight} == {(0, Op.F), (1, Op.B)}
+    assert simulate(insert_communication(schedule), slow).makespan > simulate(build_schedule("1f1b", 4, 8)).makespan
+
+
+def test_plot_tool_draws_the_transfers_and_the_balance(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "plot_schedule.py"
+    spec = importlib.util.spec_from_file_location("plot_schedule", tool)
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    js = tmp_path / "s.json"
+    assert plot.main(["--schedule", "bpipe", "--pp", "4", "--microbatches", "8", "--option", "bpipe_max_resident=2",
+                      "--offload-time", "0.5", "--out", str(tmp_path / "s.png"), "--json", str(js)]) == 0
+    record = json.loads(js.read_text())
+    assert record["options"] == {"bpipe_max_resident": 2} and record["peak_stash"] == [3, 3, 3, 3]
+    assert "EVICT2.0>3" in record["actions"][0] and "LOAD2.0<2" not in record["actions"][0]
+    assert record["transfer_busy"][0] > 0 and record["transfer_busy"][3] == 0  # on the evictor's lane
+    assert plot.main(["--compare", "1f1b,bpipe", "--pp", "8", "--microbatches", "16",
+                      "--out", str(tmp_path / "c.png"), "--json", str(js)]) == 0
+    peaks = [r["peak_stash"] for r in json.loads(js.read_text())]
+    assert peaks == [[8, 7, 6, 5, 4, 3, 2, 1], [6, 6, 6, 5, 4, 4, 4, 4]]
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
