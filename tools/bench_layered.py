@@ -176,7 +176,31 @@ def run_traffic(args) -> dict:
     return {"rows": {s: {str(m): r for m, r in by_m.items()} for s, by_m in rows.items()}}
 
 
+def simulated_exposure() -> dict:
+    """The exposure model of `looped.exposed_reduction` (F = 1, B = 2 per one-layer chunk, m = 16)."""
+    from megatron_pp.schedules.comm import insert_communication
+    from megatron_pp.schedules.generators import interleaved_1f1b
+    from megatron_pp.schedules.looped import add_layered_reduction, depth_first_accumulation, exposed_reduction
+
+    m = 16
+    setups = {
+        "p = 1, v = 8: depth-first DDP": add_layered_reduction(depth_first_accumulation(m, 8)),
+        "p = 1, v = 8: layered (looped-bfs)": build_schedule("looped-bfs", 1, m, 8, layered_grad_accumulation=True),
+        "p = 4, v = 4: depth-first DDP (interleaved 1F1B)": insert_communication(
+            add_layered_reduction(interleaved_1f1b(4, m, 4))),
+        "p = 4, v = 4: layered (looped-bfs)": build_schedule("looped-bfs", 4, m, 4, layered_grad_accumulation=True),
+    }
+    times = (1, 2, 4, 8, 16)
+    table = {name: [max(exposed_reduction(s, r)) for r in times] for name, s in setups.items()}
+    lines = [f"simulated exposed reduction (m = {m}, F = 1, B = 2 per chunk; r = one chunk's reduction time):",
+             "| setup | " + " | ".join(f"r = {r}" for r in times) + " |", "|---|" + "---|" * len(times)]
+    lines += [f"| {name} | " + " | ".join(f"{x:g}" for x in row) + " |" for name, row in table.items()]
+    print("\n".join(lines))
+    return {"reduce_times": list(times), "exposed": table}
+
+
 def run_exposed(args) -> dict:
+    model = simulated_exposure()
     config = bench_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
                           args.vocab_size, "gpt-tiny")
     v = args.num_layers // args.pp
@@ -197,12 +221,14 @@ def run_exposed(args) -> dict:
                            "step_s_median": statistics.median(step), "exposed_s": exposed, "step_s": step}
     finally:
         pool.close()
-    lines = ["| setup | exposed reduction ms, median (min) | step ms, median | exposed / step |", "|---|---|---|---|"]
+    lines = [f"measured, pp {args.pp} x dp 2, {args.num_layers} layers (one per chunk), hidden {args.hidden_size}, "
+             f"seq {args.seq_length}, m {args.microbatches}:",
+             "| setup | exposed reduction ms, median (min) | step ms, median | exposed / step |", "|---|---|---|---|"]
     for setup, r in rows.items():
         lines.append(f"| {setup} | {1e3 * r['exposed_s_median']:.1f} ({1e3 * r['exposed_s_min']:.1f}) | "
                      f"{1e3 * r['step_s_median']:.1f} | {r['exposed_s_median'] / r['step_s_median']:.1%} |")
     print("\n".join(lines))
-    return {"rows": rows}
+    return {"model": model, "rows": rows}
 
 
 def run_bubble(args) -> dict:

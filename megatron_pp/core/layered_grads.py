@@ -115,4 +115,5 @@ class LayeredGradientReducer(GradientReducer):
         if force and missing:
             raise RuntimeError(
                 f"the step ended before the last REDUCE_GRAD of chunk(s) {missing}: under layered gradient "
-                "accumulation every chunk needs a REDUCE_GRAD after its last backward of the step")
+                "accumulation every chunk needs a REDUCE_GRAD after its last backward of the step, and the "
+                "executor must call reduce_chunk for it (training.layered.connect_optimizer sets that up)")

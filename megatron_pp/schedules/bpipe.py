@@ -2,8 +2,8 @@
 
 Under 1F1B with flush rank s holds up to p − s stashes: p on rank 0, one on the last rank. BPipe pairs
 rank x with rank y = p − 1 − x (together they hold p + 1 at their peaks) and keeps at most
-K = ⌈(p + 2)/2⌉ stashes resident on a rank between its actions (`--bpipe-max-resident` changes K). `add_bpipe` rewrites each evicting
-rank's compute list by counting, without timing:
+K = ⌈(p + 2)/2⌉ stashes resident on a rank between its actions (`--bpipe-max-resident` changes K).
+`add_bpipe` rewrites each evicting rank's compute list by counting, without timing:
 
 - after a forward that takes the rank above K, `EVICT j>y` ships the stash just made (the newest: 1F1B
   runs backwards oldest first, so it is needed last) to the partner;
@@ -78,7 +78,8 @@ def partner(rank: int, num_ranks: int) -> int | None:
 def _check_input(schedule: Schedule, max_resident: object) -> int:
     if schedule.num_chunks != 1:
         raise ValueError(f"bpipe pairs whole pipeline stages and takes one chunk per rank; schedule "
-                         f"{schedule.name!r} has {schedule.num_chunks} (drop --num-layers-per-virtual-pipeline-stage)")
+                         f"{schedule.name!r} has {schedule.num_chunks} "
+                         "(drop --num-layers-per-virtual-pipeline-stage)")
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.op in COMM_OPS or a.op in TRANSFER_OPS:

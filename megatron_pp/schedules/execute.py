@@ -33,6 +33,9 @@ call (`run(..., segment=...)`): microbatches in flight when a call ends keep the
 stashes for the next call. Their runtime plugs in through `ExecutorHooks` (a callback before every
 compute action, handlers for extra operations such as STEP), which wrap the handlers, not the loop.
 
+REDUCE_GRAD.c (layered gradient accumulation) calls `reduce_grad_hook(c)`, which training points at its
+gradient reducer; without it the action only marks the point.
+
 Loss convention: the last stage returns a per-token loss `[b, s]`; the executor reduces it to
 `sum(loss * loss_mask) * loss_scale`, where the caller passes `loss_scale = 1 / (tokens in the global
 batch)` (times a loss-scaling factor under fp16). Gradients summed over microbatches and data-parallel

@@ -24,6 +24,12 @@ only in the last microbatch's backward. Across groups the reductions accumulate 
 gradient (`core.layered_grads.LayeredGradientReducer`), so data-parallel traffic is one reduction per
 chunk per group: independent of m for a fixed number of groups.
 
+**Exposure model.** `exposed_reduction` replays a schedule in the simulator with each REDUCE_GRAD.c
+starting a reduction of r time units on one lane per rank and returns what is left after the rank's last
+compute; `depth_first_accumulation` is plain gradient accumulation on one rank, which with
+`add_layered_reduction` stands for overlapped DDP (a chunk's reduction starts in the last microbatch's
+backward). docs/layered.md compares the two.
+
 **Memory mode.** Breadth-first keeps B microbatches per chunk alive, so the schedule's default is to
 keep only each layer's input and recompute the layer in its backward (`checkpoint_layer_inputs`,
 applied by `training.train.build_pipeline` as full/uniform recompute of 1 layer): stash memory is
@@ -59,12 +65,14 @@ the simulator.)
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from megatron_pp.schedules.comm import HOIST_TO_SEND_ONLY_BATCHES
 from megatron_pp.schedules.generators import looped_placement
 from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.simulate import CostModel, simulate
 
-__all__ = ["looped_bfs", "add_layered_reduction"]
+__all__ = ["looped_bfs", "add_layered_reduction", "depth_first_accumulation", "exposed_reduction"]
 
 # Actions after which a chunk's weight gradient for that microbatch is complete (BI leaves it to BW).
 _WEIGHT_GRAD_OPS = frozenset({Op.B, Op.BW})
@@ -151,3 +159,38 @@ def add_layered_reduction(schedule: Schedule, microbatches_per_reduction: int | 
         actions.append(out)
     options = {**schedule.options, "layered_grad_accumulation": True, "microbatches_per_reduction": group}
     return dataclasses.replace(schedule, actions=actions, options=options)
+
+
+def depth_first_accumulation(num_microbatches: int, num_chunks: int) -> Schedule:
+    """Plain (depth-first) gradient accumulation on one pipeline rank: microbatch i runs forward through
+    chunks 0..v-1 and back before microbatch i+1 starts. With `add_layered_reduction` it models
+    overlapped data parallelism (DDP): a chunk's reduction starts during the last microbatch's backward.
+    m=2, v=2: F0.0 F0.1 B0.1 B0.0 F1.0 F1.1 B1.1 B1.0."""
+    m = _positive_int("num_microbatches", num_microbatches)
+    v = _positive_int("num_chunks", num_chunks)
+    actions = [Action(op, i, c) for i in range(m)
+               for op, c in [(Op.F, c) for c in range(v)] + [(Op.B, c) for c in reversed(range(v))]]
+    return Schedule("depth-first", 1, m, v, looped_placement(1, v), [actions], {})
+
+
+def exposed_reduction(schedule: Schedule, reduce_time: float, costs: Optional[CostModel] = None) -> list[float]:
+    """Per rank, the data-parallel reduction time left after its last compute action ends, in the cost
+    model's units: each REDUCE_GRAD.c of the simulated timeline starts a reduction of `reduce_time` per
+    chunk on one lane per rank (the collectives of a group run one after another). `schedule` is what
+    `simulate` takes: with its communication when it has more than one rank.
+
+    Depth-first (`depth_first_accumulation` + `add_layered_reduction`), chunk c's reduction starts c
+    backwards before the end, so v chunks leave about v·r − 2·(v − 1) exposed (F = 1, B = 2); layered,
+    it starts c·m backwards before the end and only the last chunk's r is left while r ≤ 2·m.
+    """
+    result = simulate(schedule, costs)
+    exposed = []
+    for timeline in result.timeline:
+        lane, last_compute = 0.0, 0.0
+        for action, start, end in timeline:
+            if action.is_compute:
+                last_compute = max(last_compute, end)
+            elif action.op is Op.REDUCE_GRAD:
+                lane = max(lane, start) + reduce_time
+        exposed.append(max(0.0, lane - last_compute))
+    return exposed

@@ -22,8 +22,9 @@ the step ends only when it has served every transfer (`end_step`).
 Transfers go over process groups of the two ranks alone (`pair_groups`, created once per world and
 layout), never the pipeline group, so they do not queue behind neighbour sends on NCCL and cannot be
 matched against them on gloo; evictions and loads take one group each, so that on NCCL (one stream per
-communicator) a stash going out and one coming back share the full-duplex link instead of queueing. Each eviction is a header (storage count, then sizes) followed by one
-message per storage, sent from the storage's own memory (no packing copy on the memory-starved rank).
+communicator) a stash going out and one coming back share the full-duplex link instead of queueing.
+Each eviction is a header (storage count, then sizes) followed by one message per storage, sent from
+the storage's own memory (no packing copy on the memory-starved rank).
 The same code runs on CPU with gloo, where sends and receives complete asynchronously in gloo's own
 threads, and on CUDA with NCCL, where the acceptor thread works on its own stream (not exercised
 without a GPU).

@@ -21,8 +21,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pp.schedules.comm import insert_communication
 from megatron_pp.schedules.bpipe import add_bpipe, warn_unhidden_transfers
+from megatron_pp.schedules.comm import insert_communication
 from megatron_pp.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
 from megatron_pp.schedules.gis import gis, min_group_size
 from megatron_pp.schedules.ir import Schedule
@@ -232,7 +232,7 @@ register_option("bpipe_max_resident", "--bpipe-max-resident", int,
                 "p-1-x (default ceil((pp+2)/2)).")
 register_schedule("bpipe", _bpipe, supports_virtual=False,
                   description="1F1B with BPipe: rank x parks stashes above K=ceil((p+2)/2) on rank p-1-x; "
-                              "every rank holds about K")
+                              "every rank peaks at K+1 or less")
 
 
 register_option("breadth_first_microbatches", "--breadth-first-microbatches", int,

@@ -25,6 +25,7 @@ from megatron_pp.core.sharded_weights import ShardedWeights
 from megatron_pp.models.transformer import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor
 from megatron_pp.schedules.ir import COMPUTE_OPS, TRANSFER_OPS, Action, Op, Schedule
+from megatron_pp.schedules.store import ActivationStore
 from megatron_pp.training.optimizer import TrainingOptimizer
 
 LAYER_INPUTS = RecomputeConfig("full", "uniform", 1)
@@ -103,12 +104,14 @@ def connect_optimizer(executor: PipelineExecutor, optimizer: TrainingOptimizer) 
     weights = optimizer.sharded_weights
     if weights is None:
         return
-    if any(a.op in TRANSFER_OPS for a in executor.actions):
+    if any(a.op in TRANSFER_OPS for a in executor.actions) or type(executor.store) is not ActivationStore:
         raise ValueError(f"--pipeline-schedule {schedule.name} parks stashes off the device, which sharded weights "
                          "(--data-parallel-sharding-strategy optim_grads_params) do not support")
-    store = executor.store
-    # The store tells parameters from activations by storage address, which every gather changes.
-    store.include(p for chunk in executor.chunks for p in chunk.parameters())
+    # The store tells parameters from activations by storage address, and every gather gives the weights
+    # a new one: a fresh store (the old one still excludes the addresses the weights had before sharding)
+    # excludes them while they are gathered.
+    store = ActivationStore(exclude=[b for chunk in executor.chunks for b in chunk.buffers()])
+    executor.store = store
     weights.on_gathered = store.exclude
     weights.on_freeing = store.include
     WeightResidency(executor.actions, weights).wrap(executor)

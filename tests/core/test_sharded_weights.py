@@ -134,3 +134,22 @@ def test_counter_records_only_its_group_and_unpatches():
 def test_sharding_strategies_need_the_distributed_optimizer(strategy):
     with pytest.raises(ValueError, match=f"--data-parallel-sharding-strategy {strategy} shards the optimizer"):
         OptimizerConfig(data_parallel_sharding_strategy=strategy)
+
+
+def stash_bytes(ctx, sharding: str) -> int:
+    """Worker, pp 2 x dp 2: peak activation-stash bytes of one looped-bfs step without layer recompute, so
+    the head stage saves its weights for the backward (they must not count as activations)."""
+    state = ctx.parallel_state(1, 2)
+    config = dataclasses.replace(get_preset("gpt-tiny"), num_layers=4)
+    schedule = build_schedule("looped-bfs", 2, 2, 2, checkpoint_layer_inputs=False)
+    pipe = build_pipeline(config, state, schedule, micro_batch_size=2, seed=SEED)
+    optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig(
+        use_distributed_optimizer=sharding != "no_shard", data_parallel_sharding_strategy=sharding))
+    connect_optimizer(pipe.executor, optimizer)
+    data = MockData(SEED, config.seq_length, config.vocab_size, 2, 8, 2)
+    result, _ = train_step(pipe, data.step_microbatches(0, state.dp_rank), optimizer)
+    return result.peak_stash_bytes
+
+
+def test_gathered_weights_never_count_as_activations():
+    assert run_distributed(4, stash_bytes, "optim_grads_params") == run_distributed(4, stash_bytes, "no_shard")

@@ -184,3 +184,26 @@ def test_a_store_that_cannot_park_is_refused():
     with pytest.raises(ValueError, match=r"rank 3 hosts stashes of rank 0 \(BPipe\), which needs an AcceptorStore"):
         prepare_store(ActivationStore(), schedule, 3)
     prepare_store(ActivationStore(), schedule, 1)  # ranks 1 and 2 take no part at K = 3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs: peer parking over NCCL on CUDA streams")
+def test_bpipe_on_gpus_with_nccl_tracks_1f1b(tmp_path):
+    """The CUDA path: NCCL pair groups, the acceptor's thread on its own stream, completion by events.
+    Four ranks, K = 2 (ranks 0 and 1 park on 3 and 2); bpipe's losses equal 1F1B's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    losses = {}
+    for name, extra in (("1f1b", []), ("bpipe", ["--bpipe-max-resident", "2"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               os.path.join(root, "pretrain_gpt.py"), "--model-preset", "gpt-tiny", *COMMON,
+               "--global-batch-size", "16", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", name,
+               *extra, "--metrics-file", str(metrics)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert losses["bpipe"] == pytest.approx(losses["1f1b"], rel=1e-5)

@@ -359,12 +359,13 @@ def test_exact_bpipe(case):
     assert sim.peak_parked[0] > 0
 
 
-@pytest.mark.parametrize("tp, pp, m, split, sharding", [
-    (2, 2, 4, 2, "optim_grads_params"),  # tp 2 x pp 2 x dp 2 with sequence parallelism, two groups
-    (1, 2, 3, 1, "optim"),  # odd m (>= p), one group
-], ids=["tp2-sp-pp2-dp2-zero3", "pp2-dp2-m3"])
-def test_exact_looped_bfs_tensor_parallel_and_odd_m(tp, pp, m, split, sharding):
-    dp, v, layers = 2, 2, 8
+@pytest.mark.parametrize("tp, pp, m, split, sharding, v", [
+    (2, 2, 4, 2, "optim_grads_params", 2),  # tp 2 x pp 2 x dp 2 with sequence parallelism, two groups
+    (1, 2, 3, 1, "optim", 2),  # odd m (>= p), one group
+    (1, 2, 4, 2, "no_shard", 1),  # one contiguous stage of 4 layers per rank, breadth-first
+], ids=["tp2-sp-pp2-dp2-zero3", "pp2-dp2-m3", "pp2-dp2-v1"])
+def test_exact_looped_bfs_tensor_parallel_and_odd_m(tp, pp, m, split, sharding, v):
+    dp, layers = 2, 8
     options = {"breadth_first_microbatches": m // split, "layered_grad_accumulation": True}
     results = run_distributed(tp * pp * dp, looped_run, "gpt-tiny", layers, pp, m, v, options, sharding, tp, tp > 1)
     ref_loss, ref_grads = _reference_cached("gpt-tiny", layers, MICRO_BATCH * m * dp)

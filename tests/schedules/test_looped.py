@@ -195,3 +195,35 @@ def test_text_form_round_trips_with_the_options():
     again = Schedule.from_text(s.to_text())
     assert again == s and again.options["layered_grad_accumulation"] is True
     validate(again)
+
+
+# The exposure model ------------------------------------------------------------------------------------------
+
+
+def test_depth_first_accumulation_order():
+    s = looped.depth_first_accumulation(2, 2)
+    assert _ops(s, 0) == ["F0.0", "F0.1", "B0.1", "B0.0", "F1.0", "F1.1", "B1.1", "B1.0"]
+
+
+@pytest.mark.parametrize("r", [1, 4, 8, 16])
+def test_layered_leaves_only_the_last_chunks_reduction_exposed(r):
+    """p = 1, v = 8, m = 16, F = 1, B = 2: depth-first DDP starts chunk c's reduction 2c before the end and
+    leaves max(r, v·r − 2(v−1)); layered starts it 2cm before the end and leaves r (while r <= 2m)."""
+    m, v = 16, 8
+    depth_first = looped.exposed_reduction(add_layered_reduction(looped.depth_first_accumulation(m, v)), r)
+    layered = looped.exposed_reduction(build_schedule("looped-bfs", 1, m, v, layered_grad_accumulation=True), r)
+    assert depth_first == [max(r, v * r - 2 * (v - 1))]
+    assert layered == [r]
+
+
+def test_sharding_strategy_implies_the_distributed_optimizer():
+    from megatron_pp.training.arguments import derive_args
+    from megatron_pp.training.optimizer import OptimizerConfig
+
+    argv = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "1", "--pipeline-schedule", "looped-bfs",
+            "--data-parallel-sharding-strategy", "optim_grads_params", "--layered-grad-accumulation"]
+    args = derive_args(build_parser().parse_args(argv), world_size=2)
+    config = OptimizerConfig.from_args(args)
+    assert (config.use_distributed_optimizer, config.data_parallel_sharding_strategy,
+            config.layered_grad_accumulation) == (True, "optim_grads_params", True)
+    assert not derive_args(build_parser().parse_args(argv[:7]), world_size=2).use_distributed_optimizer
