@@ -11,6 +11,9 @@ and loss) on pp x dp 2 with one layer per chunk (v = layers / pp), for sharded w
 placement and chunks), and ZeRO-1 for reference; rank 0's counts. `exposed` times, with plain data parallelism, how long each rank
 waits after its last compute action for its gradient reductions (`finish()`), from the executor's
 trace: layered looped-bfs against overlapped DDP in depth-first order (1F1B and interleaved 1F1B).
+`exposed --link-gbps X` emulates a slower data-parallel link (`EmulatedLink`): each all-reduce on the dp
+group completes no earlier than a FIFO link of X GB/s per rank would finish it, which puts the loopback
+machine in the regime the method targets (a chunk's reduction slower than its backward).
 `bubble` gives the simulated bubble of looped-bfs as v grows and the bubble measured on CPU (1 - compute
 time / step time per rank, receive waits taken out, median over steps) on pp 2. Results and their
 commands are in docs/layered.md.
@@ -18,6 +21,7 @@ commands are in docs/layered.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -54,6 +58,56 @@ EXPOSED_SETUPS = {
     "overlapped DDP, interleaved 1F1B": ("interleaved-1f1b", {}, True),
     "DDP after the backward, 1F1B": ("1f1b", {}, False),
 }
+
+
+class EmulatedLink:
+    """Make the data-parallel all-reduces as slow as a link of `gbps` GB/s per rank, in issue order.
+
+    Inside the `with` block, `torch.distributed.all_reduce` on `group` still runs (the result is real);
+    a call issued at time t on a link busy until `free` occupies it for `2(n−1)/n · bytes / bandwidth`
+    (a ring all-reduce's traffic per rank) from `max(t, free)`, and its `wait()` returns no earlier than
+    that end. A synchronous call sleeps until then. Compute keeps running while a reduction is "on the
+    wire", exactly as with a real network, so what is measured is how much of it the schedule hides.
+    """
+
+    def __init__(self, group, gbps: float) -> None:
+        self.group, self.bytes_per_s = group, gbps * 1e9
+        self.free = 0.0
+
+    def __enter__(self) -> "EmulatedLink":
+        dist = torch.distributed
+        self._original = original = dist.all_reduce
+        n = dist.get_world_size(self.group)
+
+        def slow_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            work = original(tensor, op=op, group=group, async_op=async_op)
+            if group is not self.group:
+                return work
+            start = max(time.perf_counter(), self.free)
+            self.free = end = start + 2 * (n - 1) / n * tensor.numel() * tensor.element_size() / self.bytes_per_s
+            if not async_op:
+                time.sleep(max(0.0, end - time.perf_counter()))
+                return work
+            return _SlowWork(work, end)
+
+        dist.all_reduce = slow_all_reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.distributed.all_reduce = self._original
+
+
+class _SlowWork:
+    def __init__(self, work, end: float) -> None:
+        self.work, self.end = work, end
+
+    def wait(self, *args):
+        self.work.wait(*args)
+        time.sleep(max(0.0, self.end - time.perf_counter()))
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and time.perf_counter() >= self.end
 
 
 def _pipeline(ctx, config, pp, name, m, v, options, sharding, overlap, bucket_bytes, layered, trace=False):
@@ -95,7 +149,7 @@ def traffic_worker(ctx, config, setup, pp, m, v, bucket_bytes):
             "model_bytes": sum(b.grad.numel() * 4 for b in optimizer.reducer.buckets)}
 
 
-def exposed_worker(ctx, config, setup, pp, m, v, steps, bucket_bytes):
+def exposed_worker(ctx, config, setup, pp, m, v, steps, bucket_bytes, link_gbps=None):
     """Per step: (start, end of the rank's last compute action, completion of its reductions), in seconds
     of the machine-wide monotonic clock, so ranks can be compared."""
     from megatron_pp.training.train import global_token_count
@@ -111,10 +165,12 @@ def exposed_worker(ctx, config, setup, pp, m, v, steps, bucket_bytes):
         tokens = global_token_count(mbs, state)
         torch.distributed.barrier()
         optimizer.reducer.start_step(m)
-        start = time.perf_counter()
-        result = pipe.executor.run(mbs, loss_scale=1.0 / tokens)
-        optimizer.reducer.finish()
-        end = time.perf_counter()
+        link = EmulatedLink(state.dp_group, link_gbps) if link_gbps else contextlib.nullcontext()
+        with link:
+            start = time.perf_counter()
+            result = pipe.executor.run(mbs, loss_scale=1.0 / tokens)
+            optimizer.reducer.finish()
+            end = time.perf_counter()
         last_compute = start + max(e for label, s, e in result.events if label.startswith(COMPUTE_PREFIXES))
         if step:  # the first step warms up
             out.append((start, last_compute, end))
@@ -211,7 +267,7 @@ def run_exposed(args) -> dict:
             if args.pp == 1 and "interleaved" in setup:  # one pipeline rank: nothing to interleave
                 continue
             per_rank = pool.run(exposed_worker, config, setup, args.pp, args.microbatches, v, args.steps,
-                                args.bucket_bytes)
+                                args.bucket_bytes, args.link_gbps)
             # Exposed: from the moment the last rank finishes computing to the moment every rank's reductions
             # are complete. (Per rank, the wait after its own compute would also count the lag of its peers,
             # which on a shared CPU is mostly scheduling noise.)
@@ -221,8 +277,9 @@ def run_exposed(args) -> dict:
                            "step_s_median": statistics.median(step), "exposed_s": exposed, "step_s": step}
     finally:
         pool.close()
+    link = f", dp link emulated at {args.link_gbps:g} GB/s" if args.link_gbps else ""
     lines = [f"measured, pp {args.pp} x dp 2, {args.num_layers} layers (one per chunk), hidden {args.hidden_size}, "
-             f"seq {args.seq_length}, m {args.microbatches}:",
+             f"seq {args.seq_length}, m {args.microbatches}{link}:",
              "| setup | exposed reduction ms, median (min) | step ms, median | exposed / step |", "|---|---|---|---|"]
     for setup, r in rows.items():
         lines.append(f"| {setup} | {1e3 * r['exposed_s_median']:.1f} ({1e3 * r['exposed_s_min']:.1f}) | "
@@ -284,6 +341,9 @@ def main(argv=None) -> int:
             p.add_argument("--microbatches", type=int, nargs="+", default=defaults["mbs"])
         else:
             p.add_argument("--microbatches", type=int, default=defaults["mbs"][0])
+        if name == "exposed":
+            p.add_argument("--link-gbps", type=float, default=None,
+                           help="emulate a data-parallel link of this many GB/s per rank (EmulatedLink)")
         if name == "bubble":
             p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
         p.add_argument("--json", default=None, help="also write the numbers here")
