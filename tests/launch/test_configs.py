@@ -15,7 +15,9 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "launch", "configs", "*.yaml")))
 
 def test_there_are_configs_for_the_papers():
     names = {os.path.basename(c) for c in CONFIGS}
-    assert {"pipeoffload_10.5b.yaml", "pipeoffload_42.9b.yaml"} <= names
+    assert {"pipeoffload_10.5b.yaml", "pipeoffload_42.9b.yaml", "bpipe_gpt3_96b.yaml", "bpipe_gpt3_134b.yaml",
+            "bpipe_reeval_gpt3.yaml", "bpipe_reeval_llama.yaml", "pipedream_2bw_gpt_2.2b.yaml",
+            "pipedream_2bw_gpt_3.8b.yaml", "pipedream_2bw_gpt_2.2b_1node.yaml", "breadth_first_52b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -32,6 +34,19 @@ def test_full_and_tiny_scale_validate(path, capsys):
 def test_tiny_scale_trains(capsys):
     path = os.path.join(ROOT, "launch", "configs", "pipeoffload_10.5b.yaml")
     assert launch_config.main([path, "--scale", "tiny", "--variant", "po-f", "--set", "train-iters=2"]) == 0
+
+
+# One real tiny run per paper method not covered above (the other configs of a paper share these tiny shapes;
+# every tiny variant of every config is validated by test_full_and_tiny_scale_validate). One iteration keeps
+# the four torchrun launches to a few seconds each.
+TINY_RUNS = [("bpipe_gpt3_96b.yaml", "bpipe"), ("bpipe_reeval_llama.yaml", "bpipe-mb2"),
+             ("pipedream_2bw_gpt_2.2b.yaml", "2bw"), ("breadth_first_52b.yaml", "looped-bfs")]
+
+
+@pytest.mark.parametrize("name,variant", TINY_RUNS, ids=[n for n, _ in TINY_RUNS])
+def test_paper_method_trains_at_tiny_scale(name, variant, capsys):
+    path = os.path.join(ROOT, "launch", "configs", name)
+    assert launch_config.main([path, "--scale", "tiny", "--variant", variant, "--set", "train-iters=1"]) == 0
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
