@@ -6,6 +6,7 @@ file instead (`tool.py: error: ...`) and exit with status 2, before doing any wo
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 class UsageError(Exception):
@@ -17,3 +18,12 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+class ExitingArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser for tools that parse and exit at once: a bad flag prints `error: ...` as one
+    line on stderr and exits 2, without the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
 from megatron_pp.core.tensor_parallel import TENSOR_PARALLEL_RNG, RNGTracker  # noqa: E402
 from megatron_pp.models.attention import attention, resolve_backend  # noqa: E402
 from megatron_pp.models.config import TransformerConfig  # noqa: E402
@@ -43,14 +44,8 @@ from megatron_pp.schedules.store import ActivationStore  # noqa: E402
 SEED = 1234
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = ExitingArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-preset", default="gpt-tiny", help=f"one of {', '.join(preset_names())}")
     p.add_argument("--seq-length", type=int, help="override the preset's sequence length")
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,

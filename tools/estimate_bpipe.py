@@ -19,6 +19,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
 from megatron_pp.models.presets import get_preset, preset_names  # noqa: E402
 from megatron_pp.planning.bpipe_estimator import (DEFAULT_RESERVED_FRACTION, Candidate, Estimate, Job,  # noqa: E402
                                                   efficiency_model, estimate, layouts)
@@ -28,14 +29,8 @@ from megatron_pp.planning.memory import RECOMPUTE_OPTIONS, attention_kind  # noq
 GIB = 2 ** 30
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = ExitingArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-preset", required=True, help=f"one of {', '.join(preset_names())}")
     for name in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
                  "seq-length"):

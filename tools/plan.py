@@ -19,6 +19,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
 from megatron_pp.models.presets import get_preset, preset_names  # noqa: E402
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
@@ -31,14 +32,8 @@ from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster,
 SKIP_REASONS = 5
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = ExitingArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-preset", required=True, help=f"one of {', '.join(preset_names())}")
     p.add_argument("--seq-length", type=int, help="override the preset's sequence length")
     p.add_argument("--hidden-dropout", type=float, help="override the preset's value")
