@@ -1,0 +1,87 @@
+"""tools/reproduce.py: every paper's --quick run produces its rows on CPU in under a minute, and the
+small-scale memory predictions match the executor's measured stash peaks within 5%."""
+import os
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from megatron_pp.planning import reproduce as rp  # noqa: E402
+
+HARDWARE = ("a100-80gb", "v100-16gb-p3.16xlarge", "h100-sxm", "h200")
+
+
+@pytest.fixture(scope="module")
+def small():
+    pool = rp.SmallScale()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_hardware_profiles_cite_every_number(name):
+    profile, raw = rp.load_hardware_profile(name, "fp16")
+    numbers = [k for k, v in raw.items() if k not in ("name", "sources") and v is not None]
+    assert set(numbers) <= set(raw["sources"]), "every number needs a source"
+    assert profile.peak_tflops > 0 and 0 < profile.matmul_efficiency <= 1 and profile.gpus_per_node == 8
+    assert raw["pcie_gbps"] > 0
+
+
+def test_v100_has_no_bf16_peak():
+    with pytest.raises(ValueError, match="no peak_bf16_tflops"):
+        rp.load_hardware_profile("v100-16gb-p3.16xlarge", "bf16")
+
+
+def test_relative_error_of_points_and_ranges():
+    assert rp.relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert rp.relative_error(1.5, (1.25, 2.17)) == 0.0
+    assert rp.relative_error(1.0, (1.25, 2.17)) == pytest.approx(-0.2)
+    assert rp.relative_error(None, 1.0) is None
+
+
+@pytest.mark.parametrize("paper", rp.PAPERS)
+def test_quick_run_produces_rows_in_under_a_minute(paper, small):
+    start = time.perf_counter()
+    report = rp.reproduce(paper, quick=True, small=small)
+    elapsed = time.perf_counter() - start
+    assert report.rows and report.trends
+    text = report.format()
+    assert "| Claim | Published | Predicted | Error |" in text and "Small-scale trend" in text
+    # Every row shows a published figure or says why there is none.
+    assert all(r.published for r in report.rows)
+    # The pool is started by the first paper; a loaded shared machine gets some slack beyond a minute.
+    assert elapsed < 120, f"{paper} --quick took {elapsed:.0f} s"
+    memory = [t for t in report.trends if "peak stash per rank" in t.trend]
+    for trend in memory:
+        assert trend.error is not None and abs(trend.error) <= 0.05, trend
+
+
+def test_small_scale_memory_matches_measured_within_5_percent(small):
+    cfg = rp.tiny_config()
+    for name, v, options in (("1f1b", 1, {}), ("bpipe", 1, {"bpipe_max_resident": 2}), ("gis-h", 2, {}),
+                             ("po-f", 2, {})):
+        measured = [r["peak_stash_bytes"] for r in small.run(cfg, name, 4, 8, v, options, 1)]
+        predicted = rp.predicted_stash_peaks(cfg, name, 4, 8, v, options, 1)
+        for got, want in zip(predicted, measured):
+            assert got == pytest.approx(want, rel=0.05), (name, predicted, measured)
+
+
+def test_tool_prints_the_table(capsys):
+    import reproduce as tool
+
+    assert tool.main(["2bw", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "2BW / PipeDream-Flush throughput" in out and "up to 1.6×" in out
+
+
+def test_bad_options_are_one_line_errors(capsys):
+    import reproduce as tool
+
+    assert tool.main(["bpipe", "--no-measure", "--hardware", "nope"]) == 2
+    assert tool.main(["2bw", "--no-measure", "--efficiency-file", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown hardware profile 'nope'; known: a100-80gb" in err and "applies to bpipe" in err
+    assert err.count("\n") == 2

@@ -1,0 +1,66 @@
+"""Predict a seed paper's headline experiment at full scale and measure its trend at small scale.
+
+    python tools/reproduce.py bpipe                 # every model / cell, plus the CPU trends
+    python tools/reproduce.py pipeoffload --quick   # smallest model / cell only: under a minute on a CPU
+    python tools/reproduce.py all --quick --json runs/reproduce.json
+    python tools/reproduce.py 2bw --no-measure      # full-scale rows only (no processes started)
+    python tools/reproduce.py bpipe --hardware h100-sxm --efficiency-file runs/bench_layer_gpt3.json
+
+PAPER is one of bpipe, bpipe-reeval, pipeoffload, 2bw, breadth-first, or all. Full-scale rows come from
+the paper's configs in launch/configs/ and GPU profiles in launch/hardware/ (`--hardware` overrides the
+paper's GPU); the method is in megatron_pp/planning/reproduce.py and the recorded tables with their
+discussion in docs/reproduction.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_pp.planning.reproduce import PAPERS, SmallScale, reproduce  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paper", choices=(*PAPERS, "all"))
+    parser.add_argument("--quick", action="store_true", help="smallest model / cell of each paper")
+    parser.add_argument("--no-measure", action="store_true", help="skip the small-scale CPU measurements")
+    parser.add_argument("--hardware", default=None,
+                        help="GPU profile in launch/hardware/ instead of the paper's (e.g. h100-sxm)")
+    parser.add_argument("--efficiency-file", default=None,
+                        help="bpipe, bpipe-reeval: layer times from a tools/bench_layer.py report, not the roofline")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    papers = PAPERS if args.paper == "all" else (args.paper,)
+    small = None if args.no_measure else SmallScale()
+    reports = []
+    try:
+        for paper in papers:
+            start = time.perf_counter()
+            try:
+                report = reproduce(paper, quick=args.quick, small=small, measure=not args.no_measure,
+                                   hardware=args.hardware, efficiency_file=args.efficiency_file)
+            except (ValueError, OSError) as exc:
+                print(f"reproduce.py: error: {exc}", file=sys.stderr)
+                return 2
+            print(report.format())
+            print(f"({paper}: {time.perf_counter() - start:.0f} s)\n")
+            reports.append(report.to_dict())
+    finally:
+        if small is not None:
+            small.close()
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump({"command": "python tools/reproduce.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "reports": reports}, f, indent=2)
+        os.replace(args.json + ".tmp", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
