@@ -14,6 +14,7 @@ from megatron_pp.planning.planner import (Cluster, Configuration, Job, Planner, 
                                           list_order_peaks, live_weight_versions, resident_peaks)
 from megatron_pp.schedules.generators import gpipe, looped_placement, one_f_one_b
 from megatron_pp.schedules.ir import TRANSFER_OPS, Action, Op, Schedule
+from megatron_pp.schedules.peer_store import parking_pairs
 from megatron_pp.schedules.registry import (build_schedule, register_schedule, registered_schedules,
                                             unregister_schedule)
 from megatron_pp.schedules.simulate import CostModel, simulate
@@ -145,8 +146,15 @@ def test_memory_model_matches_the_executors_measured_peaks(preset, backend, batc
     c = configuration
     prediction = Planner(job, Cluster(c.tp * c.pp * c.dp, CPU)).evaluate(c)
     measured = run_distributed(c.tp * c.pp * c.dp, _measure, launch_flags(job, prediction.configuration), c.tp, c.pp)[0]
+    # A rank hosting BPipe's parked stashes receives them when its peer's transfers land, not at an action of
+    # its own: the planner charges it a bound that holds whatever the timing (`resident_peaks`).
+    m = batch // (c.dp * c.micro_batch_size)
+    hosts = {a for _, a in parking_pairs(build_schedule(c.schedule, c.pp, m))} if c.schedule == "bpipe" else set()
     for rank, (predicted, got) in enumerate(zip(prediction.stash_bytes, measured)):
-        assert abs(predicted - got) <= MEMORY_TOLERANCE * got, (rank, predicted, got)
+        if rank in hosts:
+            assert got <= (1 + MEMORY_TOLERANCE) * predicted, (rank, predicted, got)
+        else:
+            assert abs(predicted - got) <= MEMORY_TOLERANCE * got, (rank, predicted, got)
 
 
 # Launch flags --------------------------------------------------------------------------------------------
