@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp.schedules import gis as gis_module
+from megatron_pp.schedules.comm import HOIST_TO_SEND_ONLY_BATCHES
 from megatron_pp.schedules.generators import group_order, looped_placement
 from megatron_pp.schedules.gis import building_block, gis, gis_warmup, min_group_size
 from megatron_pp.schedules.ir import Action, Op
@@ -28,7 +29,7 @@ def test_docstring_simulated_numbers():
         "uniform": simulate(build_schedule("gis", 4, 8, 2, interleave_group_size=1)),
         "interleaved": simulate(build_schedule("interleaved-1f1b", 4, 8, 2)),
     }
-    assert {k: r.makespan for k, r in runs.items()} == {"gis": 57.0, "uniform": 57.0, "interleaved": 57.0}
+    assert {k: r.makespan for k, r in runs.items()} == {"gis": 56.0, "uniform": 57.0, "interleaved": 57.0}
     assert {k: r.peak_stash[0] for k, r in runs.items()} == {"gis": 8, "uniform": 7, "interleaved": 11}
 
 
@@ -41,7 +42,8 @@ def _leading_forwards(actions) -> int:
 def test_group_interleaved_warmup_orders_and_split_backward(p, m, v, g):
     s = gis(p, m, v, g)
     order = group_order(m, v, g)
-    assert s.placement == looped_placement(p, v) and s.options == {"interleave_group_size": g}
+    assert s.placement == looped_placement(p, v)
+    assert s.options == {"interleave_group_size": g, HOIST_TO_SEND_ONLY_BATCHES: True}
     for r, acts in enumerate(s.actions):
         assert [(a.microbatch, a.chunk) for a in acts if a.op is Op.F] == order
         assert [(a.microbatch, a.chunk) for a in acts if a.op is Op.BI] == [(i, v - 1 - c) for i, c in order]
@@ -134,13 +136,14 @@ def test_registry_names_options_and_aliases():
                                            "offload_time")
     assert get_schedule("gis-h").options == ("offload_chunks", "offload_fraction", "offload_time")
     assert get_schedule("po-h").options == get_schedule("po-f").options == ("offload_time",)
-    assert build_schedule("gis", 4, 8, 2).options == {"interleave_group_size": 4}
-    assert build_schedule("gis-h", 5, 6, 2).options == {"interleave_group_size": 3}
+    assert build_schedule("gis", 4, 8, 2).options == {"interleave_group_size": 4, HOIST_TO_SEND_ONLY_BATCHES: True}
+    assert build_schedule("gis-h", 5, 6, 2).options == {"interleave_group_size": 3, HOIST_TO_SEND_ONLY_BATCHES: True}
     gis_h = build_schedule("gis-h", 4, 8, 4)
     assert gis_h.name == "gis-h" and gis_h.actions == build_schedule("gis", 4, 8, 4, interleave_group_size=2).actions
     # p = 2: ceil(p/2) = 1, so GIS-H is the uniform order.
     assert build_schedule("gis-h", 2, 4, 2).actions == build_schedule("gis", 2, 4, 2, interleave_group_size=1).actions
-    assert build_schedule("po-h", 4, 8, 4).options == {"interleave_group_size": 1, "offload_chunks": 2,
+    assert build_schedule("po-h", 4, 8, 4).options == {"interleave_group_size": 1, HOIST_TO_SEND_ONLY_BATCHES: True,
+                                                       "offload_chunks": 2,
                                                        "offload_time": 0.25}
     assert build_schedule("po-f", 4, 8, 3).options["offload_chunks"] == 3
 
