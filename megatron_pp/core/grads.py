@@ -247,8 +247,15 @@ class GradientReducer:
         self._arrived: dict[int, int] = {i: 0 for i in holders}
         self._expected: dict[int, int] = {i: 0 for i in holders}
         self._next_launch = 0
-        for _, p in order:
-            p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        # Kept so that `close()` can remove them: a hook holds the reducer, which holds the parameters, so
+        # without removal a model and its buffers outlive their job in a process that trains again.
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for _, p in order]
+
+    def close(self) -> None:
+        """Detach from the parameters (remove the gradient hooks). The reducer is unusable afterwards."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
 
     # Layout -----------------------------------------------------------------------------------------------
     def _make_buckets(

@@ -83,8 +83,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model-preset", default=None, help="Named preset (e.g. gpt3-125m, llama2-7b, gpt-tiny).")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints a usage block before its message; a bad flag here is one line, like every other
+    argument error (`error: ...`, exit status 2)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        _fail([message])
+
+
 def build_parser(description: str = "megatron_pp pretraining") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = _OneLineParser(description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML file of flag values (keys are flag names); command-line flags override it.")
     add_model_args(parser)
@@ -110,6 +118,8 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
             par.add_argument(option.flag, dest=option.name, type=option.type, default=None, help=option.help)
     par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                      help="Default: nccl on CUDA, gloo on CPU.")
+    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                     help="Process-group timeout: a collective waiting longer than this fails instead of hanging.")
     par.add_argument("--use-distributed-optimizer", action="store_true",
                      help="ZeRO-1: shard the optimizer state over the data-parallel group.")
     par.add_argument("--overlap-grad-reduce", action="store_true",
@@ -186,6 +196,21 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     ex.add_argument("--exit-duration-in-mins", type=float, default=None,
                     help="Save and exit after this many minutes of wall-clock time.")
 
+    ft = parser.add_argument_group("faults and numerics (docs/reliability.md)")
+    ft.add_argument("--heartbeat-timeout-seconds", type=float, default=60.0,
+                    help="Multi-process runs: a rank whose heartbeat stops this long is reported by rank and every "
+                         "rank exits 1 (0: no watchdog).")
+    ft.add_argument("--max-consecutive-nonfinite", type=int, default=1,
+                    help="bf16/fp32: stop (exit 1, no checkpoint written) after this many consecutive steps with a "
+                         "NaN/Inf loss or gradient; each such step is skipped. fp16 overflows are the loss scaler's.")
+    ft.add_argument("--loss-spike-factor", type=float, default=None,
+                    help="Log a warning when the loss exceeds this multiple of the median of the last "
+                         "--loss-spike-window losses (default: off).")
+    ft.add_argument("--loss-spike-window", type=int, default=20, help="Losses in the running median.")
+    ft.add_argument("--continue-on-save-failure", action="store_true",
+                    help="A checkpoint that cannot be written (disk full, quota) is reported and training goes on; "
+                         "default: report it and exit 1.")
+
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-interval", type=int, default=None,
                     help="Iterations between validation passes (and one at the end); default: none.")
@@ -222,6 +247,16 @@ class ConfigFileError(ValueError):
         self.lines = lines
 
 
+# Flags that name something the run writes. A config file is data that travels between people and
+# clusters, so its output paths stay below the run directory; the command line (the operator) may point
+# anywhere.
+OUTPUT_PATH_FLAGS = ("save", "metrics_file", "trace_file", "tensorboard_dir", "wandb_save_dir", "cache_dir")
+
+
+def _escapes_run_directory(path: str) -> bool:
+    return os.path.isabs(path) or path.startswith("~") or ".." in path.replace("\\", "/").split("/")
+
+
 def config_file_arguments(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """The flags equivalent to the YAML mapping in `path` (see the module docstring)."""
     import yaml
@@ -252,6 +287,11 @@ def config_file_arguments(parser: argparse.ArgumentParser, path: str) -> list[st
             continue
         if value is None:
             continue
+        if action.dest in OUTPUT_PATH_FLAGS and isinstance(value, str) and _escapes_run_directory(value):
+            errors.append(f"--config {path}: {key} {value!r} points outside the run directory (absolute, '~' or '..'); "
+                          f"a config file may only name outputs below the directory the job starts in; give "
+                          f"{option} on the command line to write elsewhere")
+            continue
         if action.nargs == 0:  # on/off flags
             if not isinstance(value, bool):
                 errors.append(f"--config {path}: {key} must be true or false, got {value!r}")
@@ -275,7 +315,7 @@ def config_file_arguments(parser: argparse.ArgumentParser, path: str) -> list[st
 
 def expand_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
     """`argv` with the flags of its `--config FILE` (if any) put in front, so the command line wins."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = _OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config is None:
@@ -456,6 +496,18 @@ def _check_recompute(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def _check_faults(args: argparse.Namespace) -> list[str]:
+    errors = _at_least(args, ("max_consecutive_nonfinite",), 1) + _at_least(args, ("loss_spike_window",), 2)
+    errors += _at_least(args, ("heartbeat_timeout_seconds",), 0.0)
+    if args.distributed_timeout_minutes <= 0:
+        errors.append(f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
+    if args.loss_spike_factor is not None and not args.loss_spike_factor > 1.0:
+        errors.append(f"--loss-spike-factor must be > 1, got {args.loss_spike_factor}")
+    if args.continue_on_save_failure and args.save is None:
+        errors.append("--continue-on-save-failure needs --save")
+    return errors
+
+
 def _not_a_directory(option: str, path: Optional[str]) -> list[str]:
     if path is not None and os.path.exists(path) and not os.path.isdir(path):
         return [f"{option} {path} is a file, not a directory"]
@@ -580,6 +632,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors += _check_optimizer_and_precision(args)
     errors += _check_recompute(args)
     errors += _check_checkpointing_and_exit(args)
+    errors += _check_faults(args)
     errors += _check_evaluation_and_logging(args)
     errors += _check_schedule(args)
     errors += _check_sharding(args)
@@ -608,6 +661,8 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None) -> a
 
 def _fail(lines: Sequence[str]) -> typing.NoReturn:
     for line in lines:
+        # A value typed or read from a file may hold control characters: they must not break the line.
+        line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(line))
         print(f"error: {line}", file=sys.stderr)
     sys.exit(2)
 

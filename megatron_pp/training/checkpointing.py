@@ -27,13 +27,16 @@ Atomicity: every rank writes into `iter_N.tmp/`; a barrier; rank 0 writes `metad
 the directory to `iter_N/` and only then replaces the tracker file (temporary file + `os.replace`).
 Files and directories are fsynced before each rename, so a crash at any point leaves the tracker on
 the previous complete checkpoint. A rank that fails to write or read tells the others through an
-all-reduce, so every rank raises instead of waiting forever at the next collective.
+all-reduce, so every rank raises instead of waiting forever at the next collective; a failed write
+(a full disk) removes its `iter_N.tmp/`. Files are loaded with `weights_only=True`: a file holding
+anything but tensors and plain values is refused, never executed (docs/reliability.md).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -193,7 +196,21 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# Called with each shard's path before it is written; fault injection uses it to simulate a full disk or
+# a rank killed mid-save (`training.faults`). None in normal runs.
+_write_hook: Optional[Callable[[str], None]] = None
+
+
+def set_write_hook(hook: Optional[Callable[[str], None]]) -> Optional[Callable[[str], None]]:
+    """Install `hook` (see `_write_hook`); returns the previous one so a caller can put it back."""
+    global _write_hook
+    previous, _write_hook = _write_hook, hook
+    return previous
+
+
 def _save_file(obj: Any, path: str) -> None:
+    if _write_hook is not None:
+        _write_hook(path)
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -277,7 +294,14 @@ def save_checkpoint(
         _save_file({"rng": capture_rng_state(), "schedule_state": schedule_state or {}},
                    os.path.join(tmp, rank_file(coords.pp, coords.tp, coords.dp)))
 
-    _run_agreed(f"saving checkpoint {final}", write_shards)
+    try:
+        _run_agreed(f"saving checkpoint {final}", write_shards)
+    except CheckpointError:
+        # A full disk stays full while the half-written shards sit there; the tracker never pointed at
+        # them, so removing them loses nothing. Best effort: the original error is the one to report.
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     def publish() -> None:
         if state.rank != 0:
@@ -319,10 +343,23 @@ def save_checkpoint(
 # Reading ----------------------------------------------------------------------------------------------
 
 
-def _load(path: str, device: torch.device | str) -> dict:
+def load_shard(path: str, device: torch.device | str) -> dict:
+    """One checkpoint file, tensors and plain values only (weights_only); any failure is a one-line
+    CheckpointError naming the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing from the checkpoint")
-    return torch.load(path, map_location=device, weights_only=True)
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only: only tensors and plain containers unpickle; anything that would import or call
+        # code (a crafted file, or a checkpoint of another program) is refused, never executed.
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointError(f"{path}: refused to load (holds objects other than tensors and plain values; "
+                              f"weights_only unpickler: {reason})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {reason}); the file is damaged or "
+                              "truncated") from None
 
 
 def read_metadata(directory: str) -> dict:
@@ -415,10 +452,10 @@ def _restore(root: str, train: TrainingState, load_optimizer: bool, load_rng: bo
 
     coords, device = train.state.coords, train.state.device
     for stage, chunk in zip(train.stage_ids, train.chunks):
-        chunk.load_state_dict(_load(os.path.join(directory, model_file(stage, coords.tp)), device)["model"])
+        chunk.load_state_dict(load_shard(os.path.join(directory, model_file(stage, coords.tp)), device)["model"])
     if load_optimizer:
         dp = coords.dp if train.optimizer_sharded_by_dp else 0
-        saved = _load(os.path.join(directory, optimizer_file(coords.pp, coords.tp, dp)), device)
+        saved = load_shard(os.path.join(directory, optimizer_file(coords.pp, coords.tp, dp)), device)
         train.optimizer.load_state_dict(saved["optimizer"])
         if train.lr_schedule is not None and saved["lr_schedule"] is not None:
             train.lr_schedule.load_state_dict(saved["lr_schedule"])
@@ -432,7 +469,7 @@ def _restore(root: str, train: TrainingState, load_optimizer: bool, load_rng: bo
         path = os.path.join(directory, rank_file(coords.pp, coords.tp, dp))
         # A converted checkpoint has weights only: without RNG to restore, a missing file is fine.
         if load_rng or os.path.isfile(path):
-            saved = _load(path, "cpu")
+            saved = load_shard(path, "cpu")
             if load_rng:
                 restore_rng_state(saved["rng"])
             schedule_state = saved["schedule_state"]

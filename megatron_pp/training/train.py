@@ -30,10 +30,13 @@ import json
 import math
 import os
 import random
+import re
+import statistics
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -58,15 +61,18 @@ from megatron_pp.training.checkpointing import (
     TrainingState,
     capture_rng_state,
     load_checkpoint,
+    read_tracker,
     restore_rng_state,
     save_checkpoint,
 )
+from megatron_pp.training.faults import FaultPlan, poison_first_gradient
 from megatron_pp.training.flops import IterationFlops, iteration_flops, peak_tflops
 from megatron_pp.training.layered import all_weights, connect_optimizer, schedule_recompute
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.model import build_model_chunks
 from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, TrainingOptimizer, build_optimizer
 from megatron_pp.training.signals import ExitConditions
+from megatron_pp.training.watchdog import Watchdog
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions, uses_weight_versions
 
 FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
@@ -174,6 +180,8 @@ class TrainingData:
     micro_batch_size: int
     global_batch_size: int
     dp_size: int
+    vocab_size: Optional[int] = None
+    """With file datasets, the tokenizer's vocabulary: a batch holding a larger id is refused."""
 
     @property
     def num_microbatches(self) -> int:
@@ -183,7 +191,23 @@ class TrainingData:
         """This replica's microbatches of the global batch starting at sample `first_sample`."""
         b = self.micro_batch_size
         starts = [first_sample + j * b * self.dp_size + dp_rank * b for j in range(self.num_microbatches)]
-        return [split.get_batch(range(start, start + b), device) for start in starts]
+        batches = [split.get_batch(range(start, start + b), device) for start in starts]
+        if self.vocab_size is not None:
+            for start, batch in zip(starts, batches):
+                _check_token_ids(batch, self.vocab_size, start)
+        return batches
+
+
+def _check_token_ids(batch: dict, vocab_size: int, first_sample: int) -> None:
+    """An id outside the vocabulary would index past the embedding (or, split over tensor-parallel ranks,
+    be masked to a zero vector silently): the dataset was tokenized with another tokenizer."""
+    high = int(torch.maximum(batch["tokens"].max(), batch["labels"].max()))
+    low = int(torch.minimum(batch["tokens"].min(), batch["labels"].min()))
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        raise ValueError(f"--data-path: samples {first_sample}.. hold token id {bad}, outside the tokenizer's "
+                         f"vocabulary 0..{vocab_size - 1}: the dataset was tokenized with another tokenizer "
+                         "(check --tokenizer-type / --vocab-size / --tokenizer-model)")
 
 
 def evaluation_enabled(args: argparse.Namespace) -> bool:
@@ -217,7 +241,7 @@ def build_config_and_data(args: argparse.Namespace, state: ParallelState) -> tup
         raise ValueError(f"--split {args.split} leaves no training data")
     if evaluation_enabled(args) and valid is None:
         raise ValueError(f"--eval-interval: --split {args.split} leaves no validation data")
-    return config, TrainingData(train, valid, **geometry)
+    return config, TrainingData(train, valid, vocab_size=config.vocab_size, **geometry)
 
 
 # One iteration ----------------------------------------------------------------------------------------
@@ -278,7 +302,8 @@ def step_metrics(pipe: Pipeline, result: StepResult, tokens: float) -> StepMetri
         dist.all_reduce(loss, group=state.dp_group)
     vec = torch.full((1 + 2 * pp,), -math.inf, dtype=torch.float64)
     if result.loss_sum is not None:
-        vec[0] = float(loss) / tokens
+        # A NaN would not survive the max all-reduce reliably; +inf does, so every rank sees it.
+        vec[0] = float(loss) / tokens if math.isfinite(float(loss)) else math.inf
     vec[1 + state.pp_rank] = float(result.peak_stash_bytes)
     on_cuda = state.device.type == "cuda"
     if on_cuda:
@@ -303,6 +328,11 @@ class Progress:
     consumed_samples: int = 0
 
 
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. --max-consecutive-nonfinite reached); raised on every rank in the same
+    iteration, with a one-line message."""
+
+
 @dataclass
 class Trainer:
     """One rank's training job, assembled by `pretrain`."""
@@ -319,6 +349,13 @@ class Trainer:
     progress: Progress = field(default_factory=Progress)
     last_saved: Optional[int] = None
     traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    faults: FaultPlan = field(default_factory=lambda: FaultPlan([], 0, 1))
+    on_iteration: Optional[Callable[[dict], None]] = None
+    """Called on every rank with each training row (tools/soak.py samples memory through it)."""
+    nonfinite_streak: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+    pending_messages: list[str] = field(default_factory=list)
+    """Messages logged before the logger exists (it is opened only once the setup has succeeded)."""
 
     @property
     def state(self) -> ParallelState:
@@ -327,6 +364,15 @@ class Trainer:
     def log(self, text: str) -> None:
         if self.logger is not None:
             self.logger.message(text)
+        elif self.state.rank == 0:
+            self.pending_messages.append(text)
+
+    def attach_logger(self, logger: Optional[MetricsLogger]) -> None:
+        self.logger = logger
+        if logger is not None:
+            for text in self.pending_messages:
+                logger.message(text)
+        self.pending_messages.clear()
 
     def train_iteration(self) -> dict:
         """One optimizer step on the next global batch; returns its metrics row (on every rank)."""
@@ -337,6 +383,7 @@ class Trainer:
         iteration = self.progress.iteration + 1
         lr = self.lr_schedule.learning_rate(iteration, self.progress.consumed_samples + args.global_batch_size)
         result, tokens = train_step(pipe, microbatches, self.optimizer)
+        self.faults.after_backward(iteration, lambda: poison_first_gradient(self.optimizer.reducer.held_pieces()))
         outcome = self.optimizer.step(lr)
         metrics = step_metrics(pipe, result, tokens)
         step_time = time.perf_counter() - start
@@ -410,15 +457,55 @@ class Trainer:
         return self.pipe.schedule.num_stages - 1 in self.pipe.stage_ids
 
     def save(self) -> None:
-        args = self.args
-        with all_weights(self.optimizer):
-            path = save_checkpoint(
-                args.save, self.progress.iteration, self.checkpoint,
-                consumed_samples=self.progress.consumed_samples, save_optimizer=not args.no_save_optim,
-                extra_metadata={"args": _json_safe(vars(args))}, schedule_state=self.schedule_state(),
-            )
-        self.last_saved = self.progress.iteration
+        args, iteration = self.args, self.progress.iteration
+        try:
+            with all_weights(self.optimizer), self.faults.during_save(iteration):
+                path = save_checkpoint(
+                    args.save, iteration, self.checkpoint,
+                    consumed_samples=self.progress.consumed_samples, save_optimizer=not args.no_save_optim,
+                    extra_metadata={"args": loggable_settings(vars(args))}, schedule_state=self.schedule_state(),
+                )
+        except CheckpointError as exc:  # agreed: every rank is here
+            if not getattr(args, "continue_on_save_failure", False):
+                raise
+            self.log(f"warning: checkpoint of iteration {iteration} not written ({exc}); training goes on "
+                     f"(--continue-on-save-failure); newest checkpoint: {_newest_checkpoint(args.save)}")
+            return
+        self.last_saved = iteration
         self.log(f"saved checkpoint {path}")
+
+    def check_numerics(self, row: dict) -> Optional[str]:
+        """Non-finite steps and loss spikes of a training row (the same verdict on every rank: the loss
+        and the skip decision are agreed). Returns why training must stop, or None; marks spikes in
+        the row (`loss_spike`) and logs them."""
+        args, iteration, loss = self.args, row["iteration"], row["loss"]
+        # fp16 overflows are expected while the loss scale settles: the scaler skips and backs off.
+        if not math.isfinite(loss) or (row["skipped"] and not args.fp16):
+            self.nonfinite_streak += 1
+            limit = getattr(args, "max_consecutive_nonfinite", 1)
+            self.log(f"warning: iteration {iteration}: non-finite loss or gradient (loss {loss}), step skipped "
+                     f"({self.nonfinite_streak} consecutive, limit {limit})")
+            if self.nonfinite_streak >= limit:
+                return (f"iteration {iteration}: loss or gradients not finite for {self.nonfinite_streak} consecutive "
+                        f"step(s) (--max-consecutive-nonfinite {limit}); stopped without saving; newest checkpoint: "
+                        f"{_newest_checkpoint(args.save)}")
+            return None
+        self.nonfinite_streak = 0
+        factor = getattr(args, "loss_spike_factor", None)
+        if factor:
+            window = args.loss_spike_window
+            history = self.recent_losses
+            if len(history) >= max(2, window // 2):
+                median = statistics.median(history)
+                row["loss_spike"] = loss > factor * median
+                if row["loss_spike"]:
+                    self.log(f"warning: loss spike at iteration {iteration}: {loss:.4f} is {loss / median:.1f}x the "
+                             f"median {median:.4f} of the last {len(history)} losses (--loss-spike-factor {factor:g})")
+            else:
+                row["loss_spike"] = False
+            history.append(loss)
+            del history[:-window]
+        return None
 
     def resume(self) -> None:
         args = self.args
@@ -459,7 +546,13 @@ class Trainer:
         last_eval: Optional[int] = None
         stopped = False
         while self.progress.iteration < args.train_iters:
-            record(self.train_iteration())
+            row = self.train_iteration()
+            stop = self.check_numerics(row)
+            record(row)
+            if self.on_iteration is not None:
+                self.on_iteration(row)
+            if stop is not None:
+                raise TrainingStopped(stop)
             iteration = self.progress.iteration
             if evaluation_enabled(args) and iteration % args.eval_interval == 0:
                 record(self.evaluate(), evaluation=True)
@@ -483,8 +576,36 @@ class Trainer:
         return rows
 
 
-def _json_safe(values: dict) -> dict:
-    return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+def _newest_checkpoint(save: Optional[str]) -> str:
+    if not save:
+        return "none (no --save)"
+    try:
+        iteration = read_tracker(save)
+    except CheckpointError:
+        iteration = None
+    return f"iteration {iteration} in {save}" if iteration is not None else f"none in {save}"
+
+
+# Names of settings and environment variables that hold credentials (WANDB_API_KEY, HF tokens' *_SECRET...).
+_SECRET_NAME = re.compile(r"api[_-]?key|secret|password|passwd|credential|auth[_-]?token", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def loggable_settings(values: dict) -> dict:
+    """The plain values of `values` for metadata and logging sinks, with credentials redacted: a setting
+    whose name looks like one, or any string that contains the value of such an environment variable."""
+    secrets = [v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= 8]
+
+    def clean(key: str, value: Any) -> Any:
+        if _SECRET_NAME.search(key):
+            return REDACTED
+        if isinstance(value, str) and any(secret in value for secret in secrets):
+            return REDACTED
+        if isinstance(value, list):
+            return [REDACTED if isinstance(v, str) and any(s in v for s in secrets) else v for v in value]
+        return value
+
+    return {k: clean(k, v) for k, v in values.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
 # Evaluation -------------------------------------------------------------------------------------------
@@ -569,18 +690,27 @@ def _recomputed_layers(recompute: RecomputeConfig, pipe: Pipeline) -> Optional[i
     return sum(min(recompute.num_layers, spec.num_layers) for spec in pipe.layout)
 
 
-def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) -> list[dict]:
+def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
+             on_iteration: Optional[Callable[[dict], None]] = None) -> list[dict]:
     """Run the configured training job; returns rank 0's metric rows (training and evaluation; empty
     on other ranks). `args` come from `parse_args`; `state` is built here unless given (by an embedding
-    program that already has the process groups)."""
+    program that already has the process groups); `on_iteration(row)` is called on every rank after
+    every training step.
+
+    Cheap checks come first, so bad input fails before expensive work and before any output exists:
+    the schedule is built before the datasets (whose index caches can take minutes), and the metrics,
+    TensorBoard and wandb outputs are opened only once the checkpoint of `--load` has loaded."""
     started = time.monotonic()
     if state is None:
-        init_distributed(args.distributed_backend)
+        init_distributed(args.distributed_backend, timeout_s=60.0 * getattr(args, "distributed_timeout_minutes", 10.0))
         state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     seed_everything(args.seed, state)
-    config, data = build_config_and_data(args, state)
-    schedule = build_schedule(args.pipeline_schedule, state.pp_size, data.num_microbatches, num_chunks(args, config),
+    # The layer count decides the chunks; the vocabulary (the tokenizer's, with file data) does not matter yet.
+    shape = model_config_from_args(args, vocab_size=1 if uses_file_data(args) else None)
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * state.dp_size)
+    schedule = build_schedule(args.pipeline_schedule, state.pp_size, num_microbatches, num_chunks(args, shape),
                               **options_from_args(args, args.pipeline_schedule))
+    config, data = build_config_and_data(args, state)
     recompute = schedule_recompute(schedule, RecomputeConfig(
         args.recompute_granularity, args.recompute_method,
         (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
@@ -604,14 +734,7 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
         state=state, config=config, schedule_name=schedule.name, optimizer=optimizer,
         optimizer_sharded_by_dp=args.use_distributed_optimizer,
     )
-    logger = None
-    if state.rank == 0:
-        logger = MetricsLogger(
-            train_iters=args.train_iters, log_interval=args.log_interval, log_throughput=args.log_throughput,
-            metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
-            wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-            wandb_save_dir=args.wandb_save_dir, run_config=_json_safe(vars(args)),
-        )
+    logger: Optional[MetricsLogger] = None
     from megatron_pp.training.twobw import TwoBWTrainer  # it builds on Trainer
 
     trainer_class = TwoBWTrainer if pipe.versions is not None else Trainer
@@ -619,7 +742,8 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
                             flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
                                                   recompute_granularity=recompute.granularity,
                                                   recomputed_layers=_recomputed_layers(recompute, pipe)),
-                            peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=logger)
+                            peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=None,
+                            faults=FaultPlan.from_env(state.rank, state.world_size), on_iteration=on_iteration)
     try:
         trainer.log(
             f"megatron_pp: world {state.world_size} = tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "
@@ -627,7 +751,17 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
             f"{config.num_parameters(state.tp_size) / 1e6:.2f}M parameters"
         )
         trainer.resume()
-        if logger is not None:
+        if data.vocab_size is not None and trainer.progress.iteration < args.train_iters:
+            # A dataset from another tokenizer is refused here, before any output file exists.
+            data.microbatches(data.train, trainer.progress.consumed_samples, state.dp_rank, state.device)
+        if state.rank == 0:
+            logger = MetricsLogger(
+                train_iters=args.train_iters, log_interval=args.log_interval, log_throughput=args.log_throughput,
+                metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
+                wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                wandb_save_dir=args.wandb_save_dir, run_config=loggable_settings(vars(args)),
+            )
+            trainer.attach_logger(logger)
             logger.start(trainer.progress.iteration)
         with ExitConditions(handle_signals=args.exit_signal_handler, exit_interval=args.exit_interval,
                             exit_duration_mins=args.exit_duration_in_mins, started=started,
@@ -636,6 +770,7 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None) ->
     finally:
         if logger is not None:
             logger.close()
+        optimizer.reducer.close()
 
 
 # Trace ------------------------------------------------------------------------------------------------
@@ -669,15 +804,57 @@ def _gather_and_write_trace(path: str, traces: list, state: ParallelState) -> No
         write_trace(path, gathered)
 
 
+# Errors that mean "the input is wrong" (a flag, a file, a checkpoint, a schedule that cannot run): one
+# line and exit 1. Every other exception is a bug and keeps its traceback. MEGATRON_PP_TRACEBACK=1 shows
+# the traceback of the input errors too.
+INPUT_ERRORS = (ValueError, OSError)
+
+
+def _fail(message: str) -> "typing.NoReturn":
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def start_watchdog(args: argparse.Namespace, launch: Any) -> Optional[Watchdog]:
+    """The heartbeat watchdog of a multi-process run (None for one process or --heartbeat-timeout-seconds 0)."""
+    if not dist.is_initialized() or launch.world_size < 2 or not args.heartbeat_timeout_seconds:
+        return None
+    return Watchdog.connect(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
+                            args.heartbeat_timeout_seconds).start()
+
+
 def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp pretraining",
          default_preset: Optional[str] = None) -> None:
+    """The entry point of pretrain_*.py: arguments, process group and watchdog, training, and the
+    error policy of docs/reliability.md (one line on stderr and a non-zero exit, never a hang)."""
     args = parse_args(argv, description, default_preset)
+    show_traceback = os.environ.get("MEGATRON_PP_TRACEBACK") == "1"
+    watchdog: Optional[Watchdog] = None
     try:
+        launch = init_distributed(args.distributed_backend, timeout_s=60.0 * args.distributed_timeout_minutes)
+        watchdog = start_watchdog(args, launch)
         pretrain(args)
-    except CheckpointError as exc:
-        # Every rank raises the same agreed error: one line, no traceback, non-zero exit.
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    except (CheckpointError, TrainingStopped) as exc:
+        # Every rank raises the same agreed error in the same place: no rank is to blame.
+        if watchdog is not None:
+            watchdog.stop()
+        if show_traceback:
+            raise
+        _fail(str(exc))
+    except INPUT_ERRORS as exc:
+        if watchdog is not None:
+            watchdog.report_failure()  # the other ranks stop now instead of waiting for a heartbeat timeout
+        if show_traceback:
+            raise
+        _fail(str(exc))
+    except RuntimeError:
+        # A collective failed: usually a peer died (gloo: "connection closed by peer"). Let the watchdog
+        # name it; it ends this process. Without a verdict, it is a bug: keep the traceback.
+        if watchdog is not None:
+            watchdog.wait_for_verdict()
+        raise
+    if watchdog is not None:
+        watchdog.stop()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -194,3 +194,21 @@ def test_parameter_shared_by_two_chunks_waits_for_both():
     chunks[0](inputs[0]).backward()
     with pytest.raises(RuntimeError, match="received 2 gradient contributions"):
         chunks[0](inputs[0]).backward()
+
+
+def test_close_lets_the_model_be_collected():
+    """The gradient hooks hold the reducer and the reducer holds the parameters: without `close()` that
+    cycle keeps a finished job's model alive (pretrain closes its reducer; tests/reliability/test_soak.py)."""
+    import gc
+    import weakref
+
+    def build():
+        shared = torch.nn.Parameter(torch.randn(3))
+        chunks = [_Chunk(shared), _Chunk(shared)]
+        return weakref.ref(shared), GradientReducer(chunks, ParallelState.build(), overlap=True, bucket_bytes=8)
+
+    closed, reducer = build()
+    reducer.close()
+    del reducer
+    gc.collect()
+    assert closed() is None

@@ -1,0 +1,100 @@
+"""Numerics: a NaN gradient on one rank is seen by every rank in the same step (the step is skipped
+everywhere); bf16/fp32 stop after --max-consecutive-nonfinite with the last checkpoint intact; fp16
+overflows skip the step and back the loss scale off without stopping; loss spikes are logged.
+NaNs are injected with MEGATRON_PP_INJECT_FAULTS (megatron_pp/training/faults.py)."""
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+from megatron_pp.training.arguments import parse_args
+from megatron_pp.training.checkpointing import TRACKER_FILE, read_tracker
+from megatron_pp.training.faults import ENV_VAR
+from megatron_pp.training.train import Trainer, TrainingStopped, pretrain
+from tests.dist import run_distributed
+
+TINY = ["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--seed", "11", "--lr", "1e-3"]
+
+
+def _run_with_faults(ctx, argv, faults):
+    """Every rank's (iteration, skipped, loss) rows, and the TrainingStopped message if one was raised."""
+    os.environ[ENV_VAR] = faults
+    seen = []
+    try:
+        args = parse_args(argv)
+        state = ctx.parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        pretrain(args, state=state, on_iteration=lambda r: seen.append((r["iteration"], r["skipped"], r["loss"])))
+        stopped = None
+    except TrainingStopped as exc:
+        stopped = str(exc)
+    finally:
+        del os.environ[ENV_VAR]
+    return {"rows": seen, "stopped": stopped}
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_nan_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, precision):
+    argv = TINY + precision + ["--pipeline-model-parallel-size", "2", "--train-iters", "5",
+                               "--max-consecutive-nonfinite", "3", "--save", str(tmp_path / "ck")]
+    results = run_distributed(2, _run_with_faults, argv, "nan_grad@2:1,nan_grad@3:1")  # rank 1 only
+    for rank, result in enumerate(results):
+        assert result["stopped"] is None, rank
+        assert [(i, s) for i, s, _ in result["rows"]] == [(1, False), (2, True), (3, True), (4, False), (5, False)]
+        assert all(math.isfinite(loss) for _, _, loss in result["rows"])  # the NaN never reached the weights
+    assert results[0]["rows"] == results[1]["rows"]  # the same losses on both ranks, every step
+
+
+def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_checkpoint_intact(tmp_path):
+    ck = tmp_path / "ck"
+    argv = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "8", "--max-consecutive-nonfinite", "2",
+                   "--save", str(ck), "--save-interval", "2"]
+    results = run_distributed(2, _run_with_faults, argv, "nan_grad@3:0,nan_grad@4:1,nan_grad@5:0")
+    for result in results:  # both ranks stop at iteration 4, the second NaN step in a row
+        assert [i for i, _, _ in result["rows"]] == [1, 2, 3, 4]
+        assert result["stopped"].startswith("iteration 4: loss or gradients not finite for 2 consecutive step(s)")
+        assert "newest checkpoint: iteration" in result["stopped"]
+    # The stop comes before iteration 4's save: the newest checkpoint stays the last good one (2).
+    assert read_tracker(str(ck)) == 2 and sorted(os.listdir(ck)) == ["iter_0000002", TRACKER_FILE]
+    weights = torch.load(ck / "iter_0000002" / "model_stage000_tp00.pt", weights_only=True)["model"]
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    # A resumed run (without the faults) goes on from there.
+    rows = run_distributed(2, _run_with_faults, argv + ["--load", str(ck)], "")[0]["rows"]
+    assert [i for i, _, _ in rows] == [3, 4, 5, 6, 7, 8]
+
+
+def test_fp16_overflow_skips_and_backs_off_without_stopping(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "nan_grad@2:0")
+    rows = pretrain(parse_args(TINY + ["--fp16", "--train-iters", "4", "--initial-loss-scale", "1024",
+                                       "--hysteresis", "1", "--max-consecutive-nonfinite", "1"]))
+    assert [r["skipped"] for r in rows] == [False, True, False, False]
+    assert [r["loss_scale"] for r in rows] == [1024, 512, 512, 512]
+
+
+def _spike_checker(factor, window):
+    log = []
+    fake = types.SimpleNamespace(args=types.SimpleNamespace(fp16=False, max_consecutive_nonfinite=3,
+                                                            loss_spike_factor=factor, loss_spike_window=window,
+                                                            save=None),
+                                 nonfinite_streak=0, recent_losses=[], log=log.append)
+    return fake, log
+
+
+def test_loss_spikes_are_marked_and_logged():
+    fake, log = _spike_checker(3.0, 6)
+    losses = [4.0, 3.9, 3.8, 3.9, 30.0, 3.7, 3.6]
+    rows = [{"iteration": i + 1, "loss": loss, "skipped": False} for i, loss in enumerate(losses)]
+    assert all(Trainer.check_numerics(fake, row) is None for row in rows)
+    assert [r["loss_spike"] for r in rows] == [False, False, False, False, True, False, False]
+    assert log == ["warning: loss spike at iteration 5: 30.0000 is 7.7x the median 3.9000 of the last 4 losses "
+                   "(--loss-spike-factor 3)"]
+    assert len(fake.recent_losses) == 6  # the window is bounded
+
+
+def test_loss_spike_flag_in_a_real_run_marks_nothing_on_a_smooth_curve():
+    rows = pretrain(parse_args(TINY + ["--train-iters", "4", "--loss-spike-factor", "5", "--loss-spike-window", "2"]))
+    assert [r["loss_spike"] for r in rows] == [False, False, False, False]
