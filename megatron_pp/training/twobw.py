@@ -36,7 +36,8 @@ from megatron_pp.schedules.execute import StepResult
 from megatron_pp.schedules.twobw import CallKind, build_plan
 from megatron_pp.training.checkpointing import CheckpointError
 from megatron_pp.training.signals import ExitConditions
-from megatron_pp.training.train import Trainer, evaluation_enabled, global_token_count, write_trace
+from megatron_pp.training.train import (Trainer, TrainingStopped, evaluation_enabled, global_token_count,
+                                         write_trace)
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions
 
 
@@ -161,8 +162,16 @@ class TwoBWTrainer(Trainer):
             save = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
             stop = exit_conditions.reason(*self._stop_flags, iteration)
             flush = stop is not None or evaluate or save or iteration == args.train_iters
+            numerics: Optional[str] = None
             for row in self.train_call(flush, exit_conditions):
+                # Every rank builds the same rows (agreed loss and skip decision), so every rank stops in
+                # the same call; microbatches still in flight are dropped with the process, unsaved.
+                numerics = numerics or self.check_numerics(row)
                 record(row)
+                if self.on_iteration is not None:
+                    self.on_iteration(row)
+            if numerics is not None:
+                raise TrainingStopped(numerics)
             if evaluate:
                 record(self.evaluate(), evaluation=True)
                 last_eval = iteration

@@ -67,6 +67,19 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_the_last_checkpoint_intac
     assert [i for i, _, _ in rows] == [3, 4, 5, 6, 7, 8]
 
 
+def test_2bw_stops_on_every_rank_after_consecutive_nonfinite_steps():
+    """PipeDream-2BW has its own loop (training.twobw): a diverging run (learning rate 1e30, no clipping)
+    stops on both pipeline ranks after the same row, the second non-finite step in a row."""
+    argv = TINY[:-1] + ["1e30", "--clip-grad", "0", "--pipeline-schedule", "2bw", "--global-batch-size", "4",
+                        "--pipeline-model-parallel-size", "2", "--train-iters", "12", "--max-consecutive-nonfinite", "2"]
+    results = run_distributed(2, _run_with_faults, argv, "")
+    for result in results:
+        assert "loss or gradients not finite for 2 consecutive step(s)" in result["stopped"]
+        assert [s for _, s, _ in result["rows"][-2:]] == [True, True]
+        assert len(result["rows"]) < 12
+    assert [r[:2] for r in results[0]["rows"]] == [r[:2] for r in results[1]["rows"]]
+
+
 def test_fp16_overflow_skips_and_backs_off_without_stopping(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "nan_grad@2:0")
     rows = pretrain(parse_args(TINY + ["--fp16", "--train-iters", "4", "--initial-loss-scale", "1024",
