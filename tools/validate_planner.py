@@ -114,7 +114,11 @@ def _profile(ctx, config_dict: dict, repeats: int) -> dict:
         p2p_gbps = 2 * message.numel() * 4 / median_s(ping_pong, 9) / 1e9
     else:
         p2p_gbps = None
-    return {"report": report, "gemm_tflops": gemm_tflops, "copy_gbps": copy_gbps, "p2p_gbps": p2p_gbps}
+    tiny = torch.zeros(1)
+    dist.barrier()
+    collective_latency_s = median_s(lambda: dist.all_reduce(tiny), 21)  # a one-element all-reduce: its fixed cost
+    return {"report": report, "gemm_tflops": gemm_tflops, "copy_gbps": copy_gbps, "p2p_gbps": p2p_gbps,
+            "collective_latency_s": collective_latency_s}
 
 
 def _train(ctx, flags: list, tp: int, pp: int, iterations: int):
@@ -138,7 +142,7 @@ def average_profile(samples: list[dict]) -> tuple[dict, dict]:
         for key in ("forward_ms", "backward_ms", "core_forward_ms"):
             row[key] = statistics.mean(r[key] for r in same)
     rates = {key: statistics.mean(s[key] for s in samples if s[key] is not None)
-             for key in ("gemm_tflops", "copy_gbps", "p2p_gbps")}
+             for key in ("gemm_tflops", "copy_gbps", "p2p_gbps", "collective_latency_s")}
     return report, rates
 
 
@@ -154,9 +158,11 @@ def cpu_hardware(rates: dict) -> HardwareProfile:
     return HardwareProfile(
         name="this CPU (measured)", peak_tflops=rates["gemm_tflops"], memory_gib=64.0, hbm_gbps=rates["copy_gbps"],
         tp_link_gbps=rates["p2p_gbps"], pair_link_gbps=rates["p2p_gbps"], gpus_per_node=64, matmul_efficiency=1.0,
+        collective_latency_s=rates["collective_latency_s"],
         sources={"peak_tflops": "measured: the output layer's GEMM, every worker at once",
                  "hbm_gbps": "measured: 16 MiB tensor copy (bytes read + written), every worker at once",
                  "tp_link_gbps": "measured: gloo send/recv ping-pong of one activation between two workers",
+                 "collective_latency_s": "measured: median one-element gloo all-reduce over both workers",
                  "memory_gib": "not a constraint here (the runs are tiny)"})
 
 

@@ -68,6 +68,9 @@ class HardwareProfile:
     """GPUs joined by the intra-node link."""
     matmul_efficiency: float = 1.0
     """Fraction of the peak matrix products reach; 1.0 = pure roofline."""
+    collective_latency_s: float = 0.0
+    """Fixed cost of one tensor-parallel collective, seconds, on top of its bytes over `tp_link_gbps`;
+    0 = bandwidth only (NVLink's few microseconds are negligible at training sizes; gloo's are not)."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -75,6 +78,8 @@ class HardwareProfile:
         for name in ("peak_tflops", "memory_gib", "hbm_gbps", "tp_link_gbps", "pair_link_gbps", "gpus_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware profile {self.name!r}: {name} must be > 0, got {getattr(self, name)}")
+        if self.collective_latency_s < 0:
+            raise ValueError(f"hardware profile {self.name!r}: collective_latency_s must be >= 0")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"hardware profile {self.name!r}: matmul_efficiency must be in (0, 1]")
 
@@ -192,9 +197,12 @@ class LayerShape:
     tp: int = 1
     """Tensor-parallel size the shard comes from (for the communication the benchmark cannot see)."""
     sequence_parallel: bool = False
+    activation_bytes: int = 2
+    """Bytes per activation element the tensor-parallel collectives move (2: bf16/fp16; 4: fp32)."""
 
     @classmethod
-    def from_config(cls, config: TransformerConfig, tp: int = 1, sequence_parallel: bool = False) -> "LayerShape":
+    def from_config(cls, config: TransformerConfig, tp: int = 1, sequence_parallel: bool = False,
+                    activation_bytes: int = 2) -> "LayerShape":
         config.validate(tp)
         return cls(
             hidden_size=config.hidden_size, num_heads=config.num_attention_heads // tp,
@@ -203,7 +211,7 @@ class LayerShape:
             swiglu=config.activation == "swiglu", rmsnorm=config.normalization == "RMSNorm",
             rope=config.position_embedding_type == "rope", bias=config.add_bias_linear,
             hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
-            tp=tp, sequence_parallel=sequence_parallel and tp > 1,
+            tp=tp, sequence_parallel=sequence_parallel and tp > 1, activation_bytes=activation_bytes,
         )
 
     def compute_key(self) -> tuple:
@@ -211,6 +219,7 @@ class LayerShape:
         d = asdict(self)
         d.pop("tp")
         d.pop("sequence_parallel")
+        d.pop("activation_bytes")
         return tuple(sorted(d.items()))
 
     def forward_model_flops(self, micro_batch_size: int) -> float:
@@ -358,11 +367,12 @@ def kernels(shape: LayerShape, micro_batch_size: int,
 
 def tp_communication_s(shape: LayerShape, micro_batch_size: int, hw: HardwareProfile) -> float:
     """Seconds of one layer's tensor-parallel collectives in one direction of the pass (forward or
-    backward): two ring all-reduces of `s·b·h` bf16 (or the same volume as all-gather + reduce-scatter)."""
+    backward): two ring all-reduces of `s·b·h` activations (or the same volume as all-gather +
+    reduce-scatter), each `collective_latency_s` plus its bytes over the link."""
     if shape.tp == 1:
         return 0.0
-    volume = BF16_BYTES * shape.seq_length * micro_batch_size * shape.hidden_size
-    return 2 * 2 * (shape.tp - 1) / shape.tp * volume / (hw.tp_link_gbps * 1e9)
+    volume = shape.activation_bytes * shape.seq_length * micro_batch_size * shape.hidden_size
+    return 2 * (hw.collective_latency_s + 2 * (shape.tp - 1) / shape.tp * volume / (hw.tp_link_gbps * 1e9))
 
 
 class Roofline:

@@ -473,7 +473,8 @@ class Planner:
     def efficiency(self, tp: int) -> EfficiencyModel:
         """Layer times of the tp shard (with sequence parallelism when tp > 1), cached per tp."""
         if tp not in self._efficiency:
-            shape = LayerShape.from_config(self.job.config, tp, sequence_parallel=tp > 1)
+            shape = LayerShape.from_config(self.job.config, tp, sequence_parallel=tp > 1,
+                                           activation_bytes=self.job.numerics.activation_bytes)
             hw = self.cluster.hardware
             if self.efficiency_file:
                 model = MeasuredCurve.from_file(self.efficiency_file, shape, self.job.attention, hw)

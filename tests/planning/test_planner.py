@@ -273,3 +273,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_tensor_parallel_collectives_take_the_numerics_bytes_and_a_latency():
+    """A layer's tp collectives: two all-reduces of s·b·h activations in the job's dtype, each with the
+    hardware's fixed per-collective cost (tools/validate_planner.py measures it on gloo)."""
+    import dataclasses
+
+    from megatron_pp.planning.efficiency import LayerShape, tp_communication_s
+
+    config = get_preset("gpt-tiny")
+    bf16 = LayerShape.from_config(config, 2)
+    fp32 = LayerShape.from_config(config, 2, activation_bytes=4)
+    ring = 2 * (2 - 1) / 2 * config.seq_length * 3 * config.hidden_size / (CPU.tp_link_gbps * 1e9)
+    assert tp_communication_s(bf16, 3, CPU) == pytest.approx(2 * 2 * ring)
+    assert tp_communication_s(fp32, 3, CPU) == pytest.approx(2 * 4 * ring)
+    slow = dataclasses.replace(CPU, collective_latency_s=1e-3)
+    assert tp_communication_s(fp32, 3, slow) == pytest.approx(2 * (1e-3 + 4 * ring))
+    assert tp_communication_s(LayerShape.from_config(config, 1), 3, slow) == 0.0
+    assert fp32.compute_key() == bf16.compute_key()  # one measured layer curve serves both
