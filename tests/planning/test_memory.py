@@ -14,12 +14,7 @@ from megatron_pp.core.tensor_parallel.random import model_parallel_seed
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.layout import split_layers
 from megatron_pp.models.presets import get_preset
-from megatron_pp.models.transformer import StageModel
-
-try:  # activation recomputation in the model (RecomputeConfig) landed separately from this estimator
-    from megatron_pp.models.transformer import RecomputeConfig
-except ImportError:
-    RecomputeConfig = None
+from megatron_pp.models.transformer import RecomputeConfig, StageModel
 from megatron_pp.planning.memory import (CPU_FP32, MEGATRON_BF16, attention_kind, layer_activation_bytes,
                                          layer_activation_terms, stage_parameters_per_gpu, stash_bytes,
                                          state_bytes_per_parameter, transient_activation_bytes)
@@ -97,7 +92,6 @@ def test_backend_mapping_and_the_s_squared_term():
     assert extra_short == 2 * per_layer(16) and extra_long == 2 * per_layer(64)
 
 
-@pytest.mark.skipif(RecomputeConfig is None, reason="this checkout's model has no activation recomputation")
 @pytest.mark.parametrize("preset,backend,dropout", CASES)
 def test_recompute_formulas_match_measured_cpu_bytes(preset, backend, dropout):
     """Full (uniform, one layer per checkpoint): each layer keeps its input. Selective: the attention
