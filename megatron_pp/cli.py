@@ -6,6 +6,8 @@ file instead (`tool.py: error: ...`) and exit with status 2, before doing any wo
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 
@@ -27,3 +29,14 @@ class ExitingArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def write_json(path: str, data: object) -> None:
+    """Write a tool's JSON report atomically (a `.tmp` sibling, then a rename), creating its folder;
+    values JSON cannot hold are written as their `str`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(path + ".tmp", path)

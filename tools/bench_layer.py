@@ -17,7 +17,6 @@ by `planning.memory` where a formula covers the device and dtype). `tools/estima
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -30,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
+from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 from megatron_pp.core.tensor_parallel import TENSOR_PARALLEL_RNG, RNGTracker  # noqa: E402
 from megatron_pp.models.attention import attention, resolve_backend  # noqa: E402
 from megatron_pp.models.config import TransformerConfig  # noqa: E402
 from megatron_pp.models.layout import StageSpec  # noqa: E402
-from megatron_pp.models.presets import get_preset, preset_names  # noqa: E402
+from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
 from megatron_pp.models.transformer import TransformerLayer, initial_value, rotary_cos_sin  # noqa: E402
 from megatron_pp.planning.efficiency import BENCH_FORMAT, LayerShape, hardware_for_device  # noqa: E402
 from megatron_pp.planning.memory import CPU_FP32, attention_kind, stash_bytes  # noqa: E402
@@ -147,14 +146,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is available")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = get_preset(args.model_preset)
-    changes = {}
-    if args.seq_length is not None:
-        changes.update(seq_length=args.seq_length, max_position_embeddings=args.seq_length)
-    for name in ("hidden_dropout", "attention_dropout"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
-    config = dataclasses.replace(config, **changes)
+    config = configured_preset(args.model_preset, args.seq_length, args.hidden_dropout, args.attention_dropout)
     shape = LayerShape.from_config(config, args.tp)
     local = shard_config(config, shape, dtype)
 
@@ -222,10 +214,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    write_json(args.out, report)
     header = (f"{'backend':<10} {'b':>3} {'fwd ms':>9} {'bwd ms':>9} {'core ms':>8} {'TFLOP/s':>8} {'MFU':>6} "
               f"{'stash MB':>9}")
     print(f"{report['device']['name']} ({report['dtype']}), {args.model_preset} tp {args.tp} shard -> {args.out}")

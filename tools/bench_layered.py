@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_pp.cli import write_json  # noqa: E402
 from megatron_pp.core.comm_counter import CommCounter  # noqa: E402
 from megatron_pp.core.local_world import WorkerPool  # noqa: E402
 from megatron_pp.data.mock import MockData  # noqa: E402
@@ -352,9 +352,7 @@ def main(argv=None) -> int:
     report = {"traffic": run_traffic, "exposed": run_exposed, "bubble": run_bubble}[args.command](args)
     report["command"] = "python tools/bench_layered.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, report)
     return 0
 
 

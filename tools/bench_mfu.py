@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_pp.cli import write_json  # noqa: E402
 from megatron_pp.models.attention import resolve_backend  # noqa: E402
 from megatron_pp.models.config import TransformerConfig  # noqa: E402
 from megatron_pp.models.presets import get_preset, preset_names  # noqa: E402
@@ -203,10 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, report)
     print(format_table(report))
     return 0
 

@@ -11,7 +11,6 @@ limits: megatron_pp/planning/planner.py and docs/planner.md. Bad input prints on
 """
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -19,8 +18,8 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
-from megatron_pp.models.presets import get_preset, preset_names  # noqa: E402
+from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
+from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
@@ -71,14 +70,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> Planner:
-    config = get_preset(args.model_preset)
-    changes = {}
-    if args.seq_length is not None:
-        changes.update(seq_length=args.seq_length, max_position_embeddings=args.seq_length)
-    for name in ("hidden_dropout", "attention_dropout"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
-    config = dataclasses.replace(config, **changes)
+    config = configured_preset(args.model_preset, args.seq_length, args.hidden_dropout, args.attention_dropout)
     hardware = load_hardware(args.hardware)
     overrides = {"memory_gib": args.gpu_memory_gb, "gpus_per_node": args.gpus_per_node,
                  "tp_link_gbps": args.intra_node_gbps, "pair_link_gbps": args.inter_node_gbps}
@@ -172,10 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         rows = [{**summary_row(p), "command": launch_command(plan.job, plan.cluster, p.configuration)}
                 for p in plan.ranked]
-        with open(args.json + ".tmp", "w") as f:
-            json.dump({"command": "python tools/plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                       "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows}, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, {"command": "python tools/plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                               "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows})
     return 0
 
 

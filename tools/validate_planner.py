@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TOOLS))
 
+from megatron_pp.cli import write_json  # noqa: E402
 from megatron_pp.core.local_world import WorkerPool  # noqa: E402
 from megatron_pp.models.presets import get_preset  # noqa: E402
 from megatron_pp.planning.efficiency import HardwareProfile  # noqa: E402
@@ -77,13 +78,13 @@ def _profile(ctx, config_dict: dict, repeats: int) -> dict:
             "--out", os.devnull]
     args = bench_layer.parse_args(argv)
     # bench_layer builds the preset's layer; give it this job's shape.
-    original = bench_layer.get_preset
-    bench_layer.get_preset = lambda name: dataclasses.replace(original(name), **SHAPE)
+    original = bench_layer.configured_preset
+    bench_layer.configured_preset = lambda name, *overrides: dataclasses.replace(original(name, *overrides), **SHAPE)
     try:
         dist.barrier()
         report = bench_layer.run(args, "python tools/bench_layer.py " + " ".join(argv) + " (job shape)")
     finally:
-        bench_layer.get_preset = original
+        bench_layer.configured_preset = original
 
     def median_s(fn, n: int = 5) -> float:
         times = []
@@ -147,10 +148,7 @@ def average_profile(samples: list[dict]) -> tuple[dict, dict]:
 
 
 def write_profile(path: str, report: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, report)
 
 
 def cpu_hardware(rates: dict) -> HardwareProfile:
@@ -238,9 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = run(args)
     print("\n".join(table(result)))
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, result)
     return 0
 
 

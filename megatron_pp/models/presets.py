@@ -120,3 +120,17 @@ def get_preset(name: str) -> TransformerConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name])
+
+
+def configured_preset(name: str, seq_length: Optional[int] = None, hidden_dropout: Optional[float] = None,
+                      attention_dropout: Optional[float] = None) -> TransformerConfig:
+    """`get_preset(name)` with the overrides the tools take (a sequence length also sets the maximum
+    positions); None keeps the preset's value."""
+    changes: dict = {}
+    if seq_length is not None:
+        changes.update(seq_length=seq_length, max_position_embeddings=seq_length)
+    if hidden_dropout is not None:
+        changes["hidden_dropout"] = hidden_dropout
+    if attention_dropout is not None:
+        changes["attention_dropout"] = attention_dropout
+    return dataclasses.replace(get_preset(name), **changes)

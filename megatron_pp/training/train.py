@@ -533,15 +533,22 @@ class Trainer:
     def load_schedule_state(self, state: dict) -> None:
         """Take back what `schedule_state` saved, once the checkpoint's weights and optimizer are loaded."""
 
-    def run(self, exit_conditions: ExitConditions) -> list[dict]:
-        """Iterate to `--train-iters` or an early exit; returns the logging rank's rows."""
-        args = self.args
-        rows: list[dict] = []
+    def _recorder(self, rows: list[dict]) -> Callable[..., None]:
+        """`record(row, evaluation=False)`: log a training or evaluation row and keep it in `rows` (on the
+        logging rank only)."""
 
         def record(row: dict, evaluation: bool = False) -> None:
             if self.logger is not None:
                 rows.append(row)
                 (self.logger.evaluation if evaluation else self.logger.train)(row)
+
+        return record
+
+    def run(self, exit_conditions: ExitConditions) -> list[dict]:
+        """Iterate to `--train-iters` or an early exit; returns the logging rank's rows."""
+        args = self.args
+        rows: list[dict] = []
+        record = self._recorder(rows)
 
         last_eval: Optional[int] = None
         stopped = False

@@ -148,11 +148,7 @@ class TwoBWTrainer(Trainer):
         """As `Trainer.run`, with flushes planned before the iterations that need them."""
         args = self.args
         rows: list[dict] = []
-
-        def record(row: dict, evaluation: bool = False) -> None:
-            if self.logger is not None:
-                rows.append(row)
-                (self.logger.evaluation if evaluation else self.logger.train)(row)
+        record = self._recorder(rows)
 
         last_eval: Optional[int] = None
         stop: Optional[str] = None
