@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,13 +62,8 @@ class PipelineComm:
     ) -> list[Transfer]:
         """Post sends (tensor, peer pp rank, callback run once the send is done) and receives (buffer,
         peer pp rank) as one batch. Returns one Transfer per receive, in order."""
-        ops = [dist.P2POp(dist.isend, t, self.global_ranks[peer], group=self.group) for t, peer, _ in sends]
-        ops += [dist.P2POp(dist.irecv, buf, self.global_ranks[peer], group=self.group) for buf, peer in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        # batch_isend_irecv may return a single coalesced work for the whole batch (NCCL); then every
-        # member shares it.
-        if len(works) != len(ops):
-            works = [works[-1]] * len(ops) if works else [None] * len(ops)
+        works = post_batch([(t, self.global_ranks[peer]) for t, peer, _ in sends],
+                           [(buf, self.global_ranks[peer]) for buf, peer in recvs], self.group)
         for (tensor, _, callback), work in zip(sends, works[: len(sends)]):
             self.pending.append(PendingSend(work, tensor, callback))
         return [Transfer(buf, work) for (buf, _), work in zip(recvs, works[len(sends):])]
@@ -91,6 +86,38 @@ class PipelineComm:
     def _retire(item: PendingSend) -> None:
         if item.on_complete is not None:
             item.on_complete()
+
+
+def post_batch(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: Optional[dist.ProcessGroup],
+) -> list[Optional[dist.Work]]:
+    """Post `sends` then `recvs` ((tensor, global peer rank) each) over `group` as one batch; one work per
+    operation, in order. NCCL may coalesce a batch into a single work: every member then shares it.
+
+    On NCCL the group must have run a collective first (`warm_up`): torch leaves a first batch that does
+    not involve every rank of its group undefined. `ParallelState` warms up every group it hands out for
+    point-to-point (the pipeline group, BPipe's pair groups).
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if len(works) != len(ops):
+        works = [works[-1]] * len(ops) if works else [None] * len(ops)
+    return list(works)
+
+
+def warm_up(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """One tiny collective over `group`, so that its first batched point-to-point is not its first call.
+
+    NCCL creates a communicator lazily at its first operation; a `batch_isend_irecv` that is first on its
+    group must involve every rank of the group, which a pipeline's first receive (one peer) does not.
+    Run on every backend so the CPU tests take the same path.
+    """
+    if group is None:
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def release_storage(tensor: torch.Tensor) -> None:

@@ -28,10 +28,15 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_pp.core.p2p import warm_up
+
+
+_PAIR_GROUPS: dict[tuple, dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]]] = {}
 
 
 class LayoutError(ValueError):
@@ -149,7 +154,33 @@ class ParallelState:
                     elif name == "embedding":
                         state.embedding_ranks = list(ranks)
         assert state.pp_ranks[mine.pp] == rank
+        if state.pp_group is not None and layout.pp > 1:
+            warm_up(state.pp_group, state.device)
         return state
+
+    def pair_groups(self, pairs: Sequence[tuple[int, int]]) -> dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+        """This rank's two-rank process groups for BPipe's parking `pairs` ((evictor, acceptor) pipeline
+        ranks), by partner pp rank: (the evictions' group, the loads' group).
+
+        Collective: `new_group` involves the whole world, so every rank creates the groups of every
+        pipeline (each data- and tensor-parallel replica has its own pairs) in the same order and keeps its
+        own, then warms its own up (see `p2p.warm_up`). Built once per (world, layout, pairs) and cached,
+        since schedules are rebuilt (tests, evaluation) far more often than groups may be created.
+        """
+        key = (dist.group.WORLD, self.layout, tuple(pairs))
+        if key not in _PAIR_GROUPS:
+            mine: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+            for pipeline in self.layout.pp_groups():
+                for x, y in pairs:
+                    ranks = [pipeline[x], pipeline[y]]
+                    groups = (dist.new_group(ranks), dist.new_group(ranks))
+                    if self.rank in ranks:
+                        mine[y if self.rank == pipeline[x] else x] = groups
+            for groups in mine.values():
+                for group in groups:
+                    warm_up(group, self.device)
+            _PAIR_GROUPS[key] = mine
+        return _PAIR_GROUPS[key]
 
     # Coordinates -------------------------------------------------------------------------------------
     @property

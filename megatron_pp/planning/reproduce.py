@@ -699,8 +699,7 @@ def measure_worker(ctx, config: TransformerConfig, name: str, pp: int, m: int, v
     of resident stash bytes and the traced busy and wall seconds of the last step."""
     import time
 
-    import torch
-
+    from megatron_pp.core import comm
     from megatron_pp.data.mock import MockData
     from megatron_pp.training.train import build_pipeline, train_step
 
@@ -713,7 +712,7 @@ def measure_worker(ctx, config: TransformerConfig, name: str, pp: int, m: int, v
     result = None
     wall = 0.0
     for _ in range(steps):
-        torch.distributed.barrier()
+        comm.barrier()
         start = time.perf_counter()
         result, _ = train_step(pipe, micro)
         wall = time.perf_counter() - start

@@ -19,17 +19,21 @@ otherwise keep them alive. Resident bytes count a moved storage as freed: a modu
 reference to a tensor it saved for backward keeps that memory, uncounted, but never breaks.
 
 Per stash the state machine is SAVING (forward running) → SAVED → OFFLOADING (copy to host issued,
-device memory still held) → OFFLOADED (copy complete, device storage released) → RELOADING (device
-storage re-allocated, copy back issued) → RELOADED (copy complete) → released by the backward (B, or BW
-after BI). Device memory is freed only when the copy to host has completed (`poll`, run before every
-forward and transfer); a saved tensor is never handed to autograd before its reload has completed
-(`unpack` waits, and refuses a stash still parked); a RELOAD that finds its offload still in flight
-cancels it and keeps the device copy.
+device memory still held) → OFFLOADED (device storage released) → RELOADING (device storage
+re-allocated, copy back issued) → RELOADED (copy complete) → released by the backward (B, or BW after
+BI). With an engine that keeps a copy's source valid by itself (`frees_on_issue`: CUDA, where the
+caching allocator tracks the copy stream's use of the block), the device storages are dropped as soon as
+the copy to host is queued, so the memory is back with the allocator while the CPU runs ahead of the
+GPU, and the reload's copy is ordered after the copy out. Otherwise device memory is freed only when the
+copy to host has completed (`poll`, run before every forward and transfer), and a RELOAD that finds its
+offload still in flight cancels it and keeps the device copy. Either way a saved tensor is never handed
+to autograd before its reload has completed (`unpack` waits, and refuses a stash still parked).
 
-Copies go through a `CopyEngine`. On CUDA (`CudaCopies`) one side stream serves offloads and reloads
-alike, in issue order: each copy waits on an event recorded on the compute stream (the forward's output
-is ready; the reload buffer, allocated on the compute stream, is ordered), and an event recorded after
-it tells `done()`; `wait()` makes the compute stream wait for it. Host buffers are pinned, contiguous
+Copies go through a `CopyEngine`. On CUDA (`CudaCopies`) copies to host and copies back run on two side
+streams, so a reload never queues behind offloads issued before it: each copy waits on an event recorded
+on the compute stream (the forward's output is ready; the reload buffer, allocated on the compute stream,
+is ordered) and on the copy it must follow, and an event recorded after it tells `done()`; `wait()`
+makes the compute stream wait for it. Host buffers are pinned, contiguous
 (one per stash, storages packed at 512-byte offsets) and kept in `HostBufferPool` power-of-two bins, so
 after the first step no host memory is allocated. On CPU (`SyncCopies`) the same state machine runs with
 host-to-host copies that complete at once: "device memory" is then the store's resident bytes, which is
@@ -70,9 +74,19 @@ class CopyTicket(Protocol):
 
 
 class CopyEngine(Protocol):
-    """Issues batches of copies `dst.copy_(src)` (uint8 tensors of equal size) in issue order."""
+    """Issues batches of copies `dst.copy_(src)` (uint8 tensors of equal size).
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> CopyTicket:
+    `to_host` tells offloads from reloads (an engine may give them separate queues); `after` is a ticket
+    the copies must follow (a reload follows its stash's offload, an offload into a reused host buffer
+    follows the reload that last read it). An engine whose `frees_on_issue` is true keeps the source of
+    a copy to host valid until the copy has run, whatever its owner does after issuing it (CUDA: the
+    caching allocator's stream-use tracking), so the store may drop a stash's device memory at once.
+    """
+
+    frees_on_issue: bool
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, to_host: bool,
+             after: Optional[CopyTicket] = None) -> CopyTicket:
         ...
 
 
@@ -87,7 +101,10 @@ class _Done:
 class SyncCopies:
     """Copies that complete when issued (CPU, and the reference path every test exercises)."""
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> CopyTicket:
+    frees_on_issue = False  # nothing to gain: the copy is done before the store looks
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, to_host: bool = True,
+             after: Optional[CopyTicket] = None) -> CopyTicket:
         for dst, src in pairs:
             dst.copy_(src)
         return _Done()
@@ -106,21 +123,36 @@ class _CudaTicket:
 
 
 class CudaCopies:
-    """One side stream for offloads and reloads alike (PipeOffload's single stream), ordered by events."""
+    """Two side streams, one for copies to host and one for copies back, ordered by events.
+
+    Separate streams keep a reload from queueing behind offloads issued before it (device-to-host and
+    host-to-device copies use different copy engines and run at once). Each copy to host marks its source
+    as used by the offload stream (`record_stream`), so the store can drop the device storage as soon as
+    the copy is queued: the caching allocator hands the block out again only after the copy has run.
+    """
+
+    frees_on_issue = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.out_stream = torch.cuda.Stream(device=device)
+        self.in_stream = torch.cuda.Stream(device=device)
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> CopyTicket:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, to_host: bool,
+             after: Optional[CopyTicket] = None) -> CopyTicket:
+        stream = self.out_stream if to_host else self.in_stream
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+        ready.record(torch.cuda.current_stream(self.device))  # sources written / destinations allocated
         done = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            if isinstance(after, _CudaTicket):
+                stream.wait_event(after.event)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            done.record(self.stream)
+                if to_host:
+                    src.record_stream(stream)
+            done.record(stream)
         return _CudaTicket(done)
 
 
@@ -135,6 +167,7 @@ class HostBufferPool:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._fences: dict[int, Optional[CopyTicket]] = {}
         self.allocations = 0
         self.allocated_bytes = 0
 
@@ -147,8 +180,14 @@ class HostBufferPool:
         self.allocated_bytes += capacity
         return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin_memory)
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: torch.Tensor, fence: Optional[CopyTicket] = None) -> None:
+        """Return `buffer`; `fence` is the last copy that reads it, which the next copy into it must follow."""
+        self._fences[buffer.data_ptr()] = fence
         self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def fence(self, buffer: torch.Tensor) -> Optional[CopyTicket]:
+        """The copy that last read `buffer` (None for a new buffer)."""
+        return self._fences.get(buffer.data_ptr())
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -292,7 +331,9 @@ class OffloadStore(ActivationStore):
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
             self.copied_bytes += sum(e.nbytes for e in record.parked)
             record.ticket = self.copies.copy([(record.host[e.offset:e.offset + e.nbytes], _bytes_of(e.storage))
-                                              for e in record.parked])
+                                              for e in record.parked], to_host=True, after=self.pool.fence(record.host))
+        if getattr(self.copies, "frees_on_issue", False):
+            self._free_parked(record)  # the engine keeps the sources valid until the copy has run
         self.poll()
 
     def _choose_parked(self, record: _Record, keep: Iterable[torch.Tensor], private: Iterable[torch.Tensor]) -> int:
@@ -326,16 +367,20 @@ class OffloadStore(ActivationStore):
         """Release the device storage of every stash whose copy to host has completed."""
         for record in self._records.values():
             if record.state is StashState.OFFLOADING and (record.ticket is None or record.ticket.done()):
-                for entry in record.parked:
-                    record.stash.storages.pop(entry.storage.data_ptr(), None)
-                    self.live_bytes -= entry.nbytes
-                    if entry.in_place:
-                        entry.storage.resize_(0)
-                    else:
-                        entry.storage = None
-                        for handle in entry.handles:
-                            handle.tensor = None
-                record.state = StashState.OFFLOADED
+                self._free_parked(record)
+
+    def _free_parked(self, record: _Record) -> None:
+        """Drop (or empty in place) the device storages of `record`'s parked entries: OFFLOADED from now."""
+        for entry in record.parked:
+            record.stash.storages.pop(entry.storage.data_ptr(), None)
+            self.live_bytes -= entry.nbytes
+            if entry.in_place:
+                entry.storage.resize_(0)
+            else:
+                entry.storage = None
+                for handle in entry.handles:
+                    handle.tensor = None
+        record.state = StashState.OFFLOADED
 
     def reload(self, key: Hashable) -> None:
         """Bring stash `key` back: allocate its storages on the compute stream and copy the data in."""
@@ -350,8 +395,9 @@ class OffloadStore(ActivationStore):
         self._allocate_parked(record)
         record.state = StashState.RELOADING
         if record.parked:
+            # After the copy out, which may still be queued when the engine freed on issue.
             record.ticket = self.copies.copy([(_bytes_of(e.storage), record.host[e.offset:e.offset + e.nbytes])
-                                              for e in record.parked])
+                                              for e in record.parked], to_host=False, after=record.ticket)
         if record.ticket is None or record.ticket.done():
             record.state = StashState.RELOADED
         self._note_peak()
@@ -365,8 +411,8 @@ class OffloadStore(ActivationStore):
             if record.state is StashState.RELOADING:
                 record.ticket.wait()  # nothing unpacked it (no tensor of it was read): order it anyway
             if record.host is not None:
-                # A later copy into this buffer runs on the same copy stream, after the reload read it.
-                self.pool.give(record.host)
+                # The next copy into this buffer must follow the last one that read it (or wrote it).
+                self.pool.give(record.host, fence=record.ticket)
                 self.host_bytes -= record.host.numel()
             for entry in record.storages.values():  # break record <-> handle cycles: free the memory now
                 entry.storage = None

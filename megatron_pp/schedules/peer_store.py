@@ -19,7 +19,7 @@ lists can deadlock: every blocking call of the thread matches an operation the e
 posted or posts without waiting for the acceptor. The thread starts with the step (`begin_step`) and
 the step ends only when it has served every transfer (`end_step`).
 
-Transfers go over process groups of the two ranks alone (`pair_groups`, created once per world and
+Transfers go over process groups of the two ranks alone (`ParallelState.pair_groups`, created once per world and
 layout), never the pipeline group, so they do not queue behind neighbour sends on NCCL and cannot be
 matched against them on gloo; evictions and loads take one group each, so that on NCCL (one stream per
 communicator) a stash going out and one coming back share the full-duplex link instead of queueing.
@@ -35,16 +35,15 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megatron_pp.core.comm import ProcessGroup
+from megatron_pp.core.p2p import post_batch
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore, StashState, SyncCopies, _bytes_of
 from megatron_pp.schedules.store import ActivationStore, Stash
-
-_PAIR_GROUPS: dict[tuple, dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]]] = {}
 
 
 def parking_pairs(schedule: Schedule) -> list[tuple[int, int]]:
@@ -55,28 +54,6 @@ def parking_pairs(schedule: Schedule) -> list[tuple[int, int]]:
 def hosted_transfers(schedule: Schedule, rank: int) -> list[Action]:
     """The EVICT/LOAD actions that park stashes on `rank`, in the order its (single) evictor posts them."""
     return [a for acts in schedule.actions for a in acts if a.op in (Op.EVICT, Op.LOAD) and a.peer == rank]
-
-
-def pair_groups(state, pairs: Sequence[tuple[int, int]]) -> dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]]:
-    """This rank's two-rank process groups for the parking `pairs` (pipeline ranks), by partner pp rank:
-    (the evictions' group, the loads' group).
-
-    Collective: `new_group` involves the whole world, so every rank creates the groups of every pipeline
-    (each data- and tensor-parallel replica has its own pairs) in the same order, and keeps its own.
-    Built once per (world, layout, pairs) and cached, since schedules are rebuilt (tests, evaluation) far
-    more often than groups may be created. `state` is a `core.parallel_state.ParallelState`.
-    """
-    key = (dist.group.WORLD, state.layout, tuple(pairs))
-    if key not in _PAIR_GROUPS:
-        mine: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-        for pipeline in state.layout.pp_groups():
-            for x, y in pairs:
-                ranks = [pipeline[x], pipeline[y]]
-                groups = (dist.new_group(ranks), dist.new_group(ranks))
-                if state.rank in ranks:
-                    mine[y if state.rank == pipeline[x] else x] = groups
-        _PAIR_GROUPS[key] = mine
-    return _PAIR_GROUPS[key]
 
 
 @dataclass
@@ -106,49 +83,49 @@ class Transfers:
 class PeerLink:
     """Stash transfers between this rank and its partner over their own two-rank process groups."""
 
-    groups: tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]
-    """(evictions: evictor -> acceptor, loads: acceptor -> evictor), from `pair_groups`."""
+    groups: tuple[Optional[ProcessGroup], Optional[ProcessGroup]]
+    """(evictions: evictor -> acceptor, loads: acceptor -> evictor), from `ParallelState.pair_groups`."""
     peer: int
     """Global rank of the partner."""
     device: torch.device
 
-    def _post(self, op: Callable, tensors: Sequence[torch.Tensor], loads: bool) -> Transfers:
+    def _post(self, sending: bool, tensors: Sequence[torch.Tensor], loads: bool) -> Transfers:
         if not tensors:
             return Transfers([])
         group = self.groups[1 if loads else 0]
-        works = dist.batch_isend_irecv([dist.P2POp(op, t, self.peer, group=group) for t in tensors])
-        # NCCL coalesces a batch into one work; every member then shares it.
+        pairs = [(t, self.peer) for t in tensors]
+        works = post_batch(pairs, [], group) if sending else post_batch([], pairs, group)
         return Transfers(list(works), list(tensors))
 
     def send_stash(self, storages: Sequence[torch.Tensor]) -> Transfers:
         """Evictor: post a header (storage count, then sizes) and the storages (uint8 views) themselves."""
         count = torch.tensor([len(storages)], dtype=torch.int64, device=self.device)
         sizes = [torch.tensor([t.numel() for t in storages], dtype=torch.int64, device=self.device)] if storages else []
-        header = self._post(dist.isend, [count, *sizes], loads=False)
-        body = self._post(dist.isend, storages, loads=False)
+        header = self._post(True, [count, *sizes], loads=False)
+        body = self._post(True, storages, loads=False)
         return Transfers(header.works + body.works, header.tensors + body.tensors)
 
     def receive_sizes(self) -> list[int]:
         """Acceptor: block until the next stash's header is in; return its storage sizes in bytes."""
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._post(dist.irecv, [count], loads=False).finish()
+        self._post(False, [count], loads=False).finish()
         if int(count.item()) == 0:
             return []
         sizes = torch.zeros(int(count.item()), dtype=torch.int64, device=self.device)
-        self._post(dist.irecv, [sizes], loads=False).finish()
+        self._post(False, [sizes], loads=False).finish()
         return [int(n) for n in sizes.tolist()]
 
     def receive_stash(self, storages: Sequence[torch.Tensor]) -> Transfers:
         """Acceptor: post the receives of an evicted stash's storages (after `receive_sizes`)."""
-        return self._post(dist.irecv, storages, loads=False)
+        return self._post(False, storages, loads=False)
 
     def send_back(self, storages: Sequence[torch.Tensor]) -> Transfers:
         """Acceptor: post the sends of a hosted stash back to its owner."""
-        return self._post(dist.isend, storages, loads=True)
+        return self._post(True, storages, loads=True)
 
     def receive_back(self, storages: Sequence[torch.Tensor]) -> Transfers:
         """Evictor: post the receives of a loaded stash into its re-allocated storages."""
-        return self._post(dist.irecv, storages, loads=True)
+        return self._post(False, storages, loads=True)
 
 
 class PeerStore(OffloadStore):
@@ -318,7 +295,7 @@ def peer_store_for(schedule: Schedule, state) -> Optional[ActivationStore]:
     pairs = parking_pairs(schedule)
     if not pairs:
         return None
-    groups = pair_groups(state, pairs)
+    groups = state.pair_groups(pairs)
     me = state.pp_rank
     for x, y in pairs:
         if me in (x, y):

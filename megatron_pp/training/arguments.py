@@ -30,8 +30,8 @@ import typing
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import read_launch_env
 from megatron_pp.data.builder import add_data_args, check_data_args, data_config_from_args, parse_split
 from megatron_pp.models.config import TransformerConfig, flag
@@ -116,6 +116,11 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
                              help=option.help)
         else:
             par.add_argument(option.flag, dest=option.name, type=option.type, default=None, help=option.help)
+    par.add_argument("--measure-offload-time", action=argparse.BooleanOptionalAction, default=None,
+                     help="Measure --offload-time at start-up (one layer's forward vs the copy of its stash to host; "
+                          "training/offload_probe.py) when a schedule offloads and --offload-time is not given. "
+                          "Default: on with CUDA, off on CPU (where it is a host-to-host copy and the documented "
+                          "0.25 is used).")
     par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                      help="Default: nccl on CUDA, gloo on CPU.")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -388,7 +393,7 @@ def num_chunks(args: argparse.Namespace, config: TransformerConfig) -> int:
 
 def _world_size() -> int:
     # An embedding program (tests, notebooks) may have initialised the world already; else the launcher says.
-    return dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
+    return comm.world_size() if comm.backend_name() != "none" else read_launch_env().world_size
 
 
 def _at_least(args: argparse.Namespace, names: Sequence[str], minimum: float) -> list[str]:

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_pp.core import comm
 from megatron_pp.core.local_world import WorkerPool
 from megatron_pp.core.parallel_state import default_device
 from megatron_pp.data.mock import MockData
@@ -82,7 +83,7 @@ def _worker_step(ctx, config, name, pp, m, v, micro_batch, seed):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
-    torch.distributed.barrier()
+    comm.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
     result, _ = train_step(pipe, microbatches)
     _sync(device)
@@ -110,7 +111,7 @@ def _worker_control(ctx, config, micro_batch, m, seed):
         _CONTROL["model"] = (build_model(config, seed=seed, device=device), batches,
                              float(sum(b["loss_mask"].sum() for b in batches)))
     model, batches, tokens = _CONTROL["model"]
-    torch.distributed.barrier()
+    comm.barrier()
     return _baseline_step(model, batches, tokens)
 
 

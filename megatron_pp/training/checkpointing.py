@@ -44,9 +44,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.core.tensor_parallel import get_rng_tracker
 from megatron_pp.models.config import TransformerConfig
@@ -230,12 +230,7 @@ def write_text_atomic(path: str, text: str) -> None:
 
 def _agree(error: Optional[BaseException], action: str) -> None:
     """Raise on every rank if `error` happened on any rank (a max all-reduce of a failure flag)."""
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        # gloo reduces CPU tensors; NCCL needs the current device.
-        if dist.get_backend() == "nccl":
-            failed = failed.cuda()
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    failed = comm.all_reduce(torch.tensor([0.0 if error is None else 1.0]), op="max")
     if error is not None:
         if isinstance(error, CheckpointError):
             raise error

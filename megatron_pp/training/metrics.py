@@ -25,6 +25,18 @@ from typing import IO, Any, Mapping, Optional, Sequence
 Row = dict[str, Any]
 
 
+def take_peak_memory(device: Any) -> int:
+    """Peak bytes the CUDA caching allocator handed out on `device` since the previous call, then reset,
+    so each metrics row reports its own step's peak rather than the run's all-time high. 0 off CUDA."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return 0
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(peak)
+
+
 def flatten_row(row: Mapping[str, Any]) -> dict[str, float]:
     """Numeric scalars of a row; a list becomes `key/pp0`, `key/pp1`, ... (one per pipeline rank)."""
     flat: dict[str, float] = {}

@@ -19,7 +19,8 @@ from types import FrameType
 from typing import Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
+
+from megatron_pp.core import comm
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -74,8 +75,7 @@ class ExitConditions:
         local = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.handle_signals or self.exit_duration_mins is not None:
             local = torch.tensor(self.local_flags(), dtype=torch.float32, device=self.device)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            local = comm.all_reduce(local, op="max")
         return self.reason(bool(local[0] > 0), bool(local[1] > 0), iteration)
 
     def local_flags(self) -> tuple[bool, bool]:

@@ -40,9 +40,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from megatron_pp.core import comm
 from megatron_pp.core.grads import finalize_gradients, unique_parameters
 from megatron_pp.core.p2p import PipelineComm, Transfer
 from megatron_pp.core.parallel_state import ParallelState, init_distributed
@@ -54,7 +54,7 @@ from megatron_pp.models.transformer import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.peer_store import peer_store_for
-from megatron_pp.schedules.registry import build_schedule, options_from_args
+from megatron_pp.schedules.registry import build_schedule, get_schedule, options_from_args
 from megatron_pp.training.arguments import model_config_from_args, num_chunks, parse_args, uses_file_data
 from megatron_pp.training.checkpointing import (
     CheckpointError,
@@ -68,8 +68,9 @@ from megatron_pp.training.checkpointing import (
 from megatron_pp.training.faults import FaultPlan, poison_first_gradient
 from megatron_pp.training.flops import IterationFlops, iteration_flops, peak_tflops
 from megatron_pp.training.layered import all_weights, connect_optimizer, schedule_recompute
-from megatron_pp.training.metrics import MetricsLogger
+from megatron_pp.training.metrics import MetricsLogger, take_peak_memory
 from megatron_pp.training.model import build_model_chunks
+from megatron_pp.training.offload_probe import OffloadProbe, measure_offload_time
 from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, TrainingOptimizer, build_optimizer
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.watchdog import Watchdog
@@ -127,10 +128,10 @@ def build_pipeline(
     chunks = build_model_chunks(config, layout, schedule, state, seed=seed, sequence_parallel=sequence_parallel,
                                 recompute=recompute)
     seq = config.seq_length // state.tp_size if sequence_parallel else config.seq_length
-    comm = PipelineComm(state.pp_group, state.pp_ranks) if state.pp_size > 1 else None
+    pipeline_comm = PipelineComm(state.pp_group, state.pp_ranks) if state.pp_size > 1 else None
     versions = WeightVersions(chunks) if uses_weight_versions(schedule) else None
     executor = PipelineExecutor(
-        schedule, state.pp_rank, chunks, comm=comm,
+        schedule, state.pp_rank, chunks, comm=pipeline_comm,
         activation_shape=(seq, micro_batch_size, config.hidden_size),
         dtype=config.params_dtype, device=state.device, trace=trace,
         store=peer_store_for(schedule, state),  # BPipe: collective, creates the pairs' process groups
@@ -232,10 +233,9 @@ def build_config_and_data(args: argparse.Namespace, state: ParallelState) -> tup
     tokenizer = build_tokenizer(**data_config.tokenizer_args())
     config = model_config_from_args(args, vocab_size=tokenizer.vocab_size)
     valid_samples = args.eval_iters * args.global_batch_size if evaluation_enabled(args) else 0
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
     train, valid, _ = build_datasets(
         data_config, (args.train_iters * args.global_batch_size, valid_samples, 0), tokenizer.eod,
-        barrier=dist.barrier if distributed else None, is_builder=state.rank == 0,
+        barrier=comm.barrier if comm.is_distributed() else None, is_builder=state.rank == 0,
     )
     if train is None:
         raise ValueError(f"--split {args.split} leaves no training data")
@@ -251,7 +251,7 @@ def global_token_count(microbatches: Sequence[dict], state: ParallelState) -> fl
     """Loss-bearing tokens of the whole global batch (all microbatches, all dp replicas)."""
     count = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().double()
     if state.dp_group is not None and state.dp_size > 1:
-        dist.all_reduce(count, group=state.dp_group)
+        comm.all_reduce(count, group=state.dp_group)
     return float(count)
 
 
@@ -297,9 +297,11 @@ def step_metrics(pipe: Pipeline, result: StepResult, tokens: float) -> StepMetri
     """
     state = pipe.state
     pp = state.pp_size
+    # Every rank joins the dp sum; ranks without the last stage add a zero (made on the loss's device
+    # where there is one, and moved by comm to the device the backend needs either way).
     loss = result.loss_sum.double() if result.loss_sum is not None else torch.zeros((), dtype=torch.float64)
     if state.dp_group is not None and state.dp_size > 1:
-        dist.all_reduce(loss, group=state.dp_group)
+        loss = comm.all_reduce(loss, group=state.dp_group)
     vec = torch.full((1 + 2 * pp,), -math.inf, dtype=torch.float64)
     if result.loss_sum is not None:
         # A NaN would not survive the max all-reduce reliably; +inf does, so every rank sees it.
@@ -307,12 +309,8 @@ def step_metrics(pipe: Pipeline, result: StepResult, tokens: float) -> StepMetri
     vec[1 + state.pp_rank] = float(result.peak_stash_bytes)
     on_cuda = state.device.type == "cuda"
     if on_cuda:
-        vec[1 + pp + state.pp_rank] = float(torch.cuda.max_memory_allocated(state.device))
-    if dist.is_initialized() and state.world_size > 1:
-        vec = vec.to(state.device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-        vec = vec.cpu()
-    values = vec.tolist()
+        vec[1 + pp + state.pp_rank] = float(take_peak_memory(state.device))
+    values = comm.all_reduce(vec, op="max").tolist()
     return StepMetrics(
         loss=values[0],
         peak_stash_bytes=[int(v) for v in values[1:1 + pp]],
@@ -436,13 +434,10 @@ class Trainer:
             restore_rng_state(rng)
         totals = torch.stack([loss_sum, tokens])
         if state.dp_group is not None and state.dp_size > 1:
-            dist.all_reduce(totals, group=state.dp_group)
+            totals = comm.all_reduce(totals, group=state.dp_group)
         # Only the ranks holding the last stage have the sums: a world max carries them to everyone.
         carried = totals if self._holds_last_stage() else torch.full((2,), -math.inf, dtype=torch.float64)
-        if dist.is_initialized() and state.world_size > 1:
-            carried = carried.to(state.device)
-            dist.all_reduce(carried, op=dist.ReduceOp.MAX)
-            carried = carried.cpu()
+        carried = comm.all_reduce(carried, op="max")
         loss = float(carried[0] / carried[1])
         return {
             "iteration": self.progress.iteration,
@@ -697,6 +692,23 @@ def _recomputed_layers(recompute: RecomputeConfig, pipe: Pipeline) -> Optional[i
     return sum(min(recompute.num_layers, spec.num_layers) for spec in pipe.layout)
 
 
+def probe_offload_time(args: argparse.Namespace, shape: TransformerConfig, state: ParallelState,
+                       options: dict) -> Optional[OffloadProbe]:
+    """Measure `--offload-time` when the schedule takes it, the user did not give it, and
+    `--measure-offload-time` is on (default: on CUDA). Collective; None when nothing is measured."""
+    if "offload_time" not in get_schedule(args.pipeline_schedule).options or "offload_time" in options:
+        return None
+    measure = args.measure_offload_time
+    if not (state.device.type == "cuda" if measure is None else measure):
+        return None
+    probe = measure_offload_time(shape, args.micro_batch_size, state.device)
+    if state.rank == 0:
+        print(f"megatron_pp: measured --offload-time {probe.offload_time:.3f} (one layer: stash "
+              f"{probe.stash_bytes / 2**20:.1f} MiB, forward {probe.forward_s * 1e3:.2f} ms, copy to host "
+              f"{probe.copy_s * 1e3:.2f} ms = {probe.copy_gbps:.1f} GB/s)", flush=True)
+    return probe
+
+
 def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
              on_iteration: Optional[Callable[[dict], None]] = None) -> list[dict]:
     """Run the configured training job; returns rank 0's metric rows (training and evaluation; empty
@@ -715,8 +727,12 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     # The layer count decides the chunks; the vocabulary (the tokenizer's, with file data) does not matter yet.
     shape = model_config_from_args(args, vocab_size=1 if uses_file_data(args) else None)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * state.dp_size)
+    options = options_from_args(args, args.pipeline_schedule)
+    probe = probe_offload_time(args, shape, state, options)
+    if probe is not None:
+        options["offload_time"] = probe.offload_time
     schedule = build_schedule(args.pipeline_schedule, state.pp_size, num_microbatches, num_chunks(args, shape),
-                              **options_from_args(args, args.pipeline_schedule))
+                              **options)
     config, data = build_config_and_data(args, state)
     recompute = schedule_recompute(schedule, RecomputeConfig(
         args.recompute_granularity, args.recompute_method,
@@ -803,10 +819,7 @@ def _gather_and_write_trace(path: str, traces: list, state: ParallelState) -> No
     for step_events in traces:
         events += [(lbl, s + offset, e + offset) for lbl, s, e in step_events]
         offset = events[-1][2] if events else offset
-    gathered = [events]
-    if dist.is_initialized() and state.world_size > 1:
-        gathered = [None] * state.world_size
-        dist.all_gather_object(gathered, events)
+    gathered = comm.all_gather_object(events)
     if state.rank == 0:
         write_trace(path, gathered)
 
@@ -824,7 +837,7 @@ def _fail(message: str) -> "typing.NoReturn":
 
 def start_watchdog(args: argparse.Namespace, launch: Any) -> Optional[Watchdog]:
     """The heartbeat watchdog of a multi-process run (None for one process or --heartbeat-timeout-seconds 0)."""
-    if not dist.is_initialized() or launch.world_size < 2 or not args.heartbeat_timeout_seconds:
+    if not comm.is_distributed() or launch.world_size < 2 or not args.heartbeat_timeout_seconds:
         return None
     return Watchdog.connect(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
                             args.heartbeat_timeout_seconds).start()
@@ -862,6 +875,4 @@ def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp p
         raise
     if watchdog is not None:
         watchdog.stop()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    comm.shutdown()

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from megatron_pp.core import comm
 from megatron_pp.core.tensor_parallel.utils import PendingCollective
 from megatron_pp.schedules.execute import StepResult
 from megatron_pp.schedules.twobw import CallKind, build_plan
 from megatron_pp.training.checkpointing import CheckpointError
+from megatron_pp.training.metrics import take_peak_memory
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.train import (Trainer, TrainingStopped, evaluation_enabled, global_token_count,
                                          write_trace)
@@ -108,11 +109,9 @@ class TwoBWTrainer(Trainer):
         if state.tp_rank == 0 and state.dp_rank == 0:
             values[3 + state.pp_rank] = float(result.peak_stash_bytes)
             if state.device.type == "cuda":
-                values[3 + pp + state.pp_rank] = float(torch.cuda.max_memory_allocated(state.device))
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return PendingCollective(None, lambda: values)
-        values = values.to(state.device)
-        return PendingCollective(dist.all_reduce(values, async_op=True), lambda: values.cpu())
+                values[3 + pp + state.pp_rank] = float(take_peak_memory(state.device))
+        pending = comm.all_reduce_async(values)
+        return PendingCollective(None, pending.result)
 
     def _row(self, batch: int) -> dict:
         """The metrics row of `batch` (iteration batch+1), once its update ran (every rank builds it)."""
@@ -189,10 +188,7 @@ class TwoBWTrainer(Trainer):
 
     def _write_trace(self, path: str) -> None:
         events = [event for call in self.traces for event in call]
-        gathered = [events]
-        if dist.is_initialized() and self.state.world_size > 1:
-            gathered = [None] * self.state.world_size
-            dist.all_gather_object(gathered, events)
+        gathered = comm.all_gather_object(events)
         if self.state.rank == 0:
             origin = min((start for rank in gathered for _, start, _ in rank), default=0.0)
             write_trace(path, [[(label, s - origin, e - origin) for label, s, e in rank] for rank in gathered])

@@ -34,14 +34,13 @@ error (a bad input file) records itself as failed (`report_failure`), so the oth
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
 import time
 from typing import Optional
 
-import torch.distributed as dist
+from megatron_pp.core import comm
 
 
 def key_prefix(environ: Optional[dict] = None) -> str:
@@ -56,7 +55,7 @@ class Watchdog:
     """Heartbeat and peer watch of one rank (see the module docstring). Start with `start()`; call
     `stop()` once the rank is done, before the final barrier."""
 
-    def __init__(self, store: "dist.Store", rank: int, world_size: int, timeout_s: float,
+    def __init__(self, store: "comm.Store", rank: int, world_size: int, timeout_s: float,
                  store_address: str = "the rendezvous store") -> None:
         if world_size < 2:
             raise ValueError("a watchdog needs at least two ranks")
@@ -75,8 +74,7 @@ class Watchdog:
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> "Watchdog":
         """A watchdog talking to the rendezvous TCPStore at host:port as one more client."""
-        store = dist.TCPStore(host, port, world_size=None, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+        store = comm.connect_store(host, port, max(timeout_s, 1.0))
         return cls(store, rank, world_size, timeout_s, store_address=f"the rendezvous store at {host}:{port}")
 
     def _key(self, name: str, rank: Optional[int] = None) -> str:

@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_pp.core.grads import GradientReducer, counts_once_in_model, squared_norm_fp64, unique_parameters
 from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.core import comm
 from megatron_pp.core.tensor_parallel.utils import PendingCollective, start_all_reduce_
 from megatron_pp.schedules.execute import ExecutorHooks
 from megatron_pp.schedules.ir import Action, Op, Schedule
@@ -267,11 +267,7 @@ class DelayedUpdateOptimizer:
             embedding = []
         stats = self._local_stats()  # before the last stage's embedding sum starts writing its copy
         record.embedding = [start_all_reduce_(grad, state.embedding_group) for grad in embedding]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            work = dist.all_reduce(stats, async_op=True)
-            record.stats = PendingCollective(work, lambda: stats)
-        else:
-            record.stats = PendingCollective(None, lambda: stats)
+        record.stats = PendingCollective(None, comm.all_reduce_async(stats).result)
         record.finished = True
 
     def _local_stats(self) -> torch.Tensor:

@@ -13,7 +13,7 @@ from megatron_pp.models.presets import get_preset
 from megatron_pp.schedules.bpipe import default_max_resident
 from megatron_pp.schedules.ir import Action
 from megatron_pp.schedules.offload_store import StashState
-from megatron_pp.schedules.peer_store import AcceptorStore, PeerLink, PeerStore, pair_groups
+from megatron_pp.schedules.peer_store import AcceptorStore, PeerLink, PeerStore
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.simulate import CostModel, simulate
 from megatron_pp.schedules.store import ActivationStore
@@ -38,7 +38,7 @@ def _park_and_restore(ctx, delay_s: float) -> dict:
     """Rank 0 parks stash 0 on rank 1 and loads it back; rank 1 starts serving `delay_s` late."""
     state = ctx.parallel_state(1, 2)
     me, other = state.pp_rank, 1 - state.pp_rank
-    link = PeerLink(pair_groups(state, [(0, 1)])[other], state.pp_global_rank(other), state.device)
+    link = PeerLink(state.pair_groups([(0, 1)])[other], state.pp_global_rank(other), state.device)
     torch.manual_seed(SEED)
     weight = torch.randn(64, 64, requires_grad=True)
     xs = [torch.randn(64, 64, requires_grad=True) for _ in range(2)]

@@ -39,7 +39,7 @@ class DeferredCopies:
         self.issued: list[_Ticket] = []
         self.waits = 0
 
-    def copy(self, pairs):
+    def copy(self, pairs, to_host=True, after=None):
         for dst, _ in pairs:
             dst.fill_(0xFF)  # float32 0xFFFFFFFF is a NaN
         ticket = _Ticket(self, pairs)
@@ -71,7 +71,7 @@ class ThreadedCopies:
                 dst.copy_(src)
             finished.set()
 
-    def copy(self, pairs):
+    def copy(self, pairs, to_host=True, after=None):
         for dst, _ in pairs:
             dst.fill_(0xFF)
         finished = threading.Event()
@@ -88,6 +88,50 @@ class ThreadedCopies:
                 finished.wait()
 
         return Ticket()
+
+
+class StreamCopies:
+    """A copy engine that behaves like CUDA streams and the caching allocator: `frees_on_issue`, copies run
+    only when told to (or waited on), a copy runs after the ticket it must follow, and each copy holds its
+    source until it has run (what `record_stream` makes the allocator do)."""
+
+    frees_on_issue = True
+
+    def __init__(self) -> None:
+        self.issued: list = []
+        self.waits = 0
+
+    def copy(self, pairs, to_host=True, after=None):
+        pairs = list(pairs)
+        for dst, _ in pairs:
+            dst.fill_(0xFF)
+        engine = self
+
+        class Ticket:
+            completed = False
+            direction = "out" if to_host else "in"
+            sources = [src for _, src in pairs]
+
+            def run(self) -> None:
+                if not self.completed:
+                    if after is not None:
+                        after.run()
+                    for dst, src in pairs:
+                        dst.copy_(src)
+                    pairs.clear()  # the sources are released once copied
+                    self.sources = []
+                    self.completed = True
+
+            def done(self) -> bool:
+                return self.completed
+
+            def wait(self) -> None:
+                engine.waits += 1
+                self.run()
+
+        ticket = Ticket()
+        self.issued.append(ticket)
+        return ticket
 
 
 def _model(seed: int = 0):
@@ -144,6 +188,36 @@ def test_freed_only_after_the_copy_out_and_read_only_after_the_copy_back():
     assert torch.equal(w.grad, ref_w) and torch.equal(x.grad, ref_x)
     store.release(0)
     assert store.live_bytes == 0 and store.host_bytes == 0 and not store.live
+
+
+def test_an_engine_that_keeps_its_sources_lets_the_store_free_on_issue():
+    """CUDA's path, on CPU: the device memory goes when the copy is queued, not when the CPU next sees it
+    finished; the reload follows the copy out, and the gradients are exact."""
+    engine = StreamCopies()
+    store = OffloadStore(copies=engine)
+    w, x = _model()
+    store.exclude([w])
+    store.plan([0])
+    with store.stash(0):
+        y = torch.tanh(x @ w)
+        loss = (y * y).sum()
+    y_storage = y.untyped_storage().data_ptr()
+    del y
+    store.offload(0)
+    assert store.state(0) is StashState.OFFLOADED and store.live_bytes == 0 and store.resident_count == 0
+    # Only the queued copy holds y's storage now.
+    assert not engine.issued[0].done()
+    assert y_storage in {t.untyped_storage().data_ptr() for t in engine.issued[0].sources}
+    store.reload(0)  # issued while the copy out is still queued: it must run after it
+    assert store.state(0) is StashState.RELOADING and engine.issued[1].direction == "in"
+    loss.backward()
+    assert engine.issued[0].done() and engine.issued[1].done() and not engine.issued[0].sources
+    ref_w, ref_x = _reference_grads()
+    assert torch.equal(w.grad, ref_w) and torch.equal(x.grad, ref_x)
+    store.release(0)
+    # The host buffer goes back with the reload as its fence: the next copy into it follows that copy.
+    host = store.pool.take(store.copied_bytes)
+    assert store.pool.fence(host) is engine.issued[1]
 
 
 def test_backward_of_a_parked_stash_is_refused():
@@ -314,10 +388,15 @@ def test_cuda_side_stream_copies_are_exact_and_pinned():
     store.plan([0])
     with store.stash(0):
         loss = _forward(w, x)
-    store.offload(0)
     torch.cuda.synchronize()
-    store.poll()
+    before = torch.cuda.memory_allocated(device)
+    store.offload(0, private=[x])  # x: the caller's own reference, emptied in place
+    # Freed as soon as the copy is queued: no poll, no synchronisation.
     assert store.state(0) is StashState.OFFLOADED and x.untyped_storage().nbytes() == 0
+    assert store.copies.out_stream != store.copies.in_stream
+    torch.cuda.synchronize()
+    torch.empty(1, device=device)  # the allocator retires the copy stream's use of the blocks
+    assert torch.cuda.memory_allocated(device) <= before - store.copied_bytes
     assert store.pool.pin_memory and store.pool.take(1).is_pinned()
     store.reload(0)
     loss.backward()
