@@ -182,7 +182,7 @@ def format_table(report: dict) -> str:
         r, t = report[key], report[key]["step_time_s"]
         mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else f"{'-':>6}"
         spread = f"[{1e3 * t['min']:.2f}, {1e3 * t['max']:.2f}]"
-        lines.append(f"{r['name']:<12} {report['attention'][key]:<18} {1e3 * t['median']:9.2f} {spread:>19} "
+        lines.append(f"{r['name']:<12} {report['attention_in_use'][key]:<18} {1e3 * t['median']:9.2f} {spread:>19} "
                      f"{r['tokens_per_s']:10.1f} {r['tflops']:9.3f} {mfu}")
     ratio, targets = report["ratio_tokens_per_s"], report["targets"]
     per_round = ", ".join(f"{x:.3f}" for x in ratio["per_round"])

@@ -174,17 +174,22 @@ def hf_architecture(config: TransformerConfig) -> str:
                      "; ".join(f"{name}: {why}" for name, why in reasons.items()))
 
 
-def hf_config_from(config: TransformerConfig, base: Optional[dict] = None, dtype: Optional[torch.dtype] = None) -> Any:
+def hf_config_from(config: TransformerConfig, base: Optional[dict] = None, dtype: Optional[torch.dtype] = None,
+                   attn_implementation: Optional[str] = None) -> Any:
     """The `transformers` config object (`LlamaConfig` or `GPT2Config`) of `config`.
 
     `base` is the config.json the model was imported from, if known: its token ids are kept, since our
     config does not model them. Without it, default token ids outside the vocabulary are dropped.
+    `attn_implementation` ("eager", "sdpa", "flash_attention_2") goes to the constructor, the one place
+    transformers reads it: set on the object afterwards it is ignored.
     """
     from transformers import GPT2Config, LlamaConfig
 
     architecture = hf_architecture(config)
+    chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if architecture == LLAMA:
         hf = LlamaConfig(
+            **chosen,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.ffn_size,
@@ -203,6 +208,7 @@ def hf_config_from(config: TransformerConfig, base: Optional[dict] = None, dtype
         )
     else:
         hf = GPT2Config(
+            **chosen,
             vocab_size=config.vocab_size,
             n_positions=config.num_positions,
             n_embd=config.hidden_size,

@@ -250,12 +250,21 @@ def build_hf_llama(config: TransformerConfig, attn_implementation: str, device: 
 
     from megatron_pp.models.hf import hf_config_from
 
-    hf_config = hf_config_from(config)
-    hf_config.attn_implementation = attn_implementation
+    hf_config = hf_config_from(config, attn_implementation=attn_implementation)
     hf_config.use_cache = False  # a training step has no use for the KV cache
     with torch.device(device):
         model = LlamaForCausalLM(hf_config)
+    running = hf_attention_in_use(model)
+    if running != attn_implementation:
+        raise ValueError(f"Hugging Face baseline: asked for attention {attn_implementation!r}, the model runs "
+                         f"{running!r}")
     return model.to(dtype=config.params_dtype).train()
+
+
+def hf_attention_in_use(model: torch.nn.Module) -> Optional[str]:
+    """The attention implementation a transformers model dispatches to at run time (what its attention
+    modules look up on every call), not the one its config was asked for."""
+    return getattr(model.config, "_attn_implementation", None)
 
 
 @torch.no_grad()
@@ -441,6 +450,7 @@ def run_mfu_benchmark(
     ratio = _spread(ratios)
     return {
         "parameters": counts,
+        "attention_in_use": {"ours": config.attention_backend, "hf": hf_attention_in_use(hf)},
         "model_flops_per_step": flops,
         "tokens_per_step": tokens,
         "first_step_loss": {**first, "abs_diff": abs(first["ours"] - first["hf"])},

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_mfu  # noqa: E402
 
-REPORT_FIELDS = {"format", "command", "date", "device", "versions", "model", "attention", "rounds", "steps_per_round",
+REPORT_FIELDS = {"format", "command", "date", "device", "versions", "model", "attention", "attention_in_use", "rounds", "steps_per_round",
                  "warmup_steps", "parameters", "model_flops_per_step", "tokens_per_step", "first_step_loss", "ours",
                  "hf", "ratio_tokens_per_s", "targets"}
 MODEL_FIELDS = {"name", "optimizer", "step_time_s", "tokens_per_s", "tflops", "mfu", "warmup_losses",
@@ -54,6 +54,7 @@ def test_tiny_cpu_run_writes_a_complete_report(tmp_path, capsys, monkeypatch):
     assert bench_mfu.main(argv) == 0
     report = json.loads(out.read_text())
     assert set(report) == REPORT_FIELDS
+    assert report["attention_in_use"] == report["attention"]  # each side ran the kernel the table names
     assert report["format"] == MFU_FORMAT and report["command"] == "python tools/bench_mfu.py " + " ".join(argv)
     assert report["device"]["type"] == "cpu" and report["device"]["peak_tflops"] is None
     assert {"python", "torch", "transformers", "cuda", "flash_attn"} <= set(report["versions"])
@@ -126,3 +127,14 @@ def test_default_shapes_on_gpu(tmp_path):
     if report["device"]["peak_tflops"] is None:
         pytest.skip(f"no known bf16 peak for {report['device']['name']}: MFU is not reported")
     assert report["ours"]["mfu"] > 0 and report["hf"]["mfu"] > 0
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_hf_baseline_runs_the_attention_it_was_asked_for(implementation):
+    """Set on the config after construction, transformers ignores the choice; the constructor is honoured
+    and the benchmark reads back what the model will dispatch to."""
+    from megatron_pp.training.benchmark import hf_attention_in_use
+
+    config = dataclasses.replace(get_preset("llama-tiny"), num_layers=1, attention_backend="sdpa")
+    hf = build_hf_llama(config, implementation, torch.device("cpu"))
+    assert hf_attention_in_use(hf) == implementation
