@@ -19,6 +19,11 @@ of full offload on one device.
    stack's measured k) and as the same order without offload (`gis`, group size 1). Rounds alternate the
    two and the slowdown is the median of the per-round ratios. On a CPU copies are synchronous, so the
    cost there is the copying itself, not a failure to overlap.
+4. PO-H and GIS-H against interleaved 1F1B on the same stack and device: resident stash peak (and, on
+   CUDA, the step's peak allocated memory) and the paired step-time ratio, each relative to interleaved
+   1F1B (the issue's GPU target: PO-H stash ≤ 0.25× at ≤ 1.05× the step time). One device means p = 1,
+   where every schedule keeps one microbatch's chunks in flight at a time; the multi-rank memory ratios
+   come from the simulator (`tools/plot_schedule.py`) and the exactness tests.
 
 Results go to stdout and `--json`; docs/benchmarks.md records them with the device name.
 """
@@ -118,42 +123,82 @@ def measure_layer(hidden: int, seq: int, device: torch.device, dtype: torch.dtyp
             "full_offload_free": full_offload_is_free(k)}
 
 
-def offload_cost(hidden: int, seq: int, layers: int, microbatches: int, rounds: int, device: torch.device,
-                 dtype: torch.dtype, offload_time: float) -> dict:
-    """Step time of po-f against the same order without offload on one device (p = 1, a layer per chunk)."""
+def paired_steps(entries: Sequence[tuple[str, str, dict]], hidden: int, seq: int, layers: int, microbatches: int,
+                 rounds: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Run each (label, schedule, options) on one device (p = 1, a layer per chunk), rounds alternating their
+    order; per label the step times, the executor's peak resident stash bytes and, on CUDA, the step's peak
+    allocated device memory (reset before every step). The first round warms up (host buffer pool too)."""
     config = layer_config(hidden, seq, layers, dtype)
     layout = split_layers(layers, 1, layers)
     data = MockData(1, seq, config.vocab_size, 1, microbatches)
     batches = data.step_microbatches(0, 0, device)
     scale = 1.0 / sum(float(b["loss_mask"].sum()) for b in batches)
     executors = {}
-    for label, name, options in (("no offload", "gis", {"interleave_group_size": 1}),
-                                 ("po-f", "po-f", {"offload_time": offload_time})):
+    for label, name, options in entries:
         schedule = build_schedule(name, 1, microbatches, layers, **options)
         chunks = [StageModel(config, layout[schedule.stage_of(0, c)], device=device, seed=1) for c in range(layers)]
         executors[label] = (PipelineExecutor(schedule, 0, chunks, comm=None, activation_shape=(seq, 1, hidden),
                                              dtype=dtype, device=device), chunks, schedule)
     times: dict[str, list[float]] = {label: [] for label in executors}
     peaks: dict[str, int] = {}
-    for round_ in range(rounds + 1):  # round 0 warms up (and fills the host buffer pool)
+    device_peaks: dict[str, int] = {}
+    for round_ in range(rounds + 1):
         for label in (list(executors) if round_ % 2 == 0 else list(reversed(executors))):
             executor, chunks, _ = executors[label]
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             result = executor.run(batches, scale)
             _sync(device)
             if round_:
                 times[label].append(time.perf_counter() - start)
             peaks[label] = result.peak_stash_bytes
+            if device.type == "cuda":
+                device_peaks[label] = torch.cuda.max_memory_allocated(device)
+    return {"times": times, "peak_resident_bytes": peaks, "peak_device_bytes": device_peaks or None,
+            "schedules": {label: schedule for label, (_, _, schedule) in executors.items()}}
+
+
+def offload_cost(hidden: int, seq: int, layers: int, microbatches: int, rounds: int, device: torch.device,
+                 dtype: torch.dtype, offload_time: float) -> dict:
+    """Step time of po-f against the same order without offload on one device (p = 1, a layer per chunk)."""
+    run = paired_steps([("no offload", "gis", {"interleave_group_size": 1}),
+                        ("po-f", "po-f", {"offload_time": offload_time})],
+                       hidden, seq, layers, microbatches, rounds, device, dtype)
+    times = run["times"]
     ratios = [b / a for a, b in zip(times["no offload"], times["po-f"])]
-    offloaded = sum(1 for a in executors["po-f"][2].actions[0] if a.op.value == "OFFLOAD")
+    offloaded = sum(1 for a in run["schedules"]["po-f"].actions[0] if a.op.value == "OFFLOAD")
     return {"hidden": hidden, "seq": seq, "layers": layers, "microbatches": microbatches, "rounds": rounds,
             "offload_time": offload_time, "offloaded_stashes": offloaded,
             "step_s": {label: statistics.median(t) for label, t in times.items()},
             "slowdown": statistics.median(ratios) - 1.0,
-            "peak_resident_bytes": peaks}
+            "peak_resident_bytes": run["peak_resident_bytes"]}
+
+
+def against_interleaved(hidden: int, seq: int, layers: int, microbatches: int, rounds: int, device: torch.device,
+                        dtype: torch.dtype, offload_time: float) -> dict:
+    """PO-H and GIS-H against interleaved 1F1B on one device: stash and device memory ratios, and the paired
+    step-time ratio (median of per-round ratios), each relative to interleaved 1F1B."""
+    entries = [("interleaved-1f1b", "interleaved-1f1b", {}), ("gis-h", "gis-h", {}),
+               ("po-h", "po-h", {"offload_time": offload_time})]
+    run = paired_steps(entries, hidden, seq, layers, microbatches, rounds, device, dtype)
+    base = "interleaved-1f1b"
+    times, peaks, device_peaks = run["times"], run["peak_resident_bytes"], run["peak_device_bytes"]
+    rows = {}
+    for label, _, _ in entries:
+        rows[label] = {
+            "step_s": statistics.median(times[label]),
+            "step_ratio": statistics.median(t / b for t, b in zip(times[label], times[base])),
+            "peak_resident_bytes": peaks[label],
+            "stash_ratio": peaks[label] / peaks[base] if peaks[base] else None,
+            "peak_device_bytes": device_peaks[label] if device_peaks else None,
+        }
+    return {"hidden": hidden, "seq": seq, "layers": layers, "microbatches": microbatches, "rounds": rounds,
+            "offload_time": offload_time, "baseline": base, "schedules": rows,
+            "targets": {"po_h_stash_ratio_max": 0.25, "po_h_step_ratio_max": 1.05}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,10 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"time {cost['offload_time']:.2f}): step {step['no offload'] * 1e3:.1f} ms -> {step['po-f'] * 1e3:.1f} ms "
           f"({cost['slowdown']:+.1%}), resident stash peak {peak['no offload'] / 2**20:.1f} -> "
           f"{peak['po-f'] / 2**20:.1f} MiB")
+    compare = against_interleaved(args.stack_hidden, args.stack_seq, args.layers, args.microbatches, args.rounds,
+                                  device, dtype, offload_time_from_k(stack_k))
+    for label, row in compare["schedules"].items():
+        memory = f", device peak {row['peak_device_bytes'] / 2**30:.2f} GiB" if row["peak_device_bytes"] else ""
+        print(f"{label:<17} step x{row['step_ratio']:.3f} of interleaved 1F1B, resident stash peak "
+              f"{row['peak_resident_bytes'] / 2**20:.1f} MiB (x{row['stash_ratio']:.2f}){memory}")
     report = {
         "device": device_name,
         "torch": torch.__version__, "dtype": str(dtype), "bandwidth": bandwidth, "layers": rows,
         "full_offload": {**cost, "k": stack_k},
+        "against_interleaved": compare,
         "command": "python tools/bench_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     if args.json:

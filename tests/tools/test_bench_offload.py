@@ -32,3 +32,8 @@ def test_tiny_cpu_run_writes_a_consistent_report(tmp_path):
     # p = 1, v = 3, m = 4: chunks 0 and 1 of every microbatch move; the last chunk lives too briefly.
     assert stack["offloaded_stashes"] == 8
     assert stack["peak_resident_bytes"]["po-f"] < stack["peak_resident_bytes"]["no offload"]
+    compare = report["against_interleaved"]
+    rows = compare["schedules"]
+    assert compare["baseline"] == "interleaved-1f1b" and set(rows) == {"interleaved-1f1b", "gis-h", "po-h"}
+    assert rows["interleaved-1f1b"]["stash_ratio"] == 1.0 and rows["po-h"]["stash_ratio"] < 1.0
+    assert all(row["step_ratio"] > 0 and row["peak_device_bytes"] is None for row in rows.values())
