@@ -35,6 +35,8 @@ from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import read_launch_env
 from megatron_pp.data.builder import add_data_args, check_data_args, data_config_from_args, parse_split
 from megatron_pp.models.config import TransformerConfig, flag
+from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins
 from megatron_pp.schedules.registry import schedule_options
 
 # Fields that are not set by their own generated flag (Megatron spells them differently, or they are
@@ -110,6 +112,11 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     par.add_argument("--pipeline-schedule", default="1f1b", help="Pipeline schedule by name (see docs/schedules.md).")
+    par.add_argument("--pipeline-schedule-file", default=None, metavar="FILE",
+                     help="Run the action lists in FILE instead of a registered schedule: torch.distributed.pipelining's "
+                          "compute-only CSV or this project's JSON (docs/plugins.md). Ranks, microbatches and chunks "
+                          "come from the file; --offload-chunks / --offload-fraction / --bpipe-max-resident apply.")
+    add_plugin_flag(par)
     for option in schedule_options():  # declared by the schedules themselves (registry.register_option)
         if option.type is bool:  # on/off: --flag and --no-flag, None when neither is given
             par.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
@@ -570,29 +577,111 @@ def _check_evaluation_and_logging(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def _check_sharding(args: argparse.Namespace) -> list[str]:
+def _check_sharding(args: argparse.Namespace, schedule: Optional[Schedule]) -> list[str]:
     if args.data_parallel_sharding_strategy != "optim_grads_params":
         return []
     # Stash stores that park saved tensors elsewhere (host memory, a peer) tell parameters from
-    # activations by storage address, and sharded weights get a new address at every all-gather.
-    movers = [flag(n) for n in ("offload_chunks", "offload_fraction") if getattr(args, n, None) is not None]
-    if args.pipeline_schedule in ("po-h", "po-f", "bpipe"):
-        movers.append(f"--pipeline-schedule {args.pipeline_schedule}")
+    # activations by storage address, and sharded weights get a new address at every all-gather. What
+    # the list does decides, not the schedule's name: a plugin or a file that offloads is refused too.
+    if schedule is not None:
+        from megatron_pp.schedules.runtime import runtime_needs
+
+        movers = [f"{what} ({source})" for what in ("host offload", "peer parking")
+                  if getattr(runtime_needs(schedule), what.replace(" ", "_"))
+                  for source in [schedule_source(args)]]
+    else:
+        movers = [flag(n) for n in ("offload_chunks", "offload_fraction") if getattr(args, n, None) is not None]
     return [f"--data-parallel-sharding-strategy optim_grads_params cannot be combined with {m}: stashes parked "
             "off the device are not supported with sharded weights" for m in movers]
 
 
-def _check_schedule(args: argparse.Namespace) -> list[str]:
-    from megatron_pp.schedules.registry import list_schedules, options_from_args
+FILE_SCHEDULE_OPTIONS = ("offload_chunks", "offload_fraction", "offload_time", "bpipe_max_resident")
+"""The schedule options that apply to --pipeline-schedule-file: the passes that rewrite any compute order."""
 
-    known = list_schedules()
-    if args.pipeline_schedule not in known:
-        return [f"unknown --pipeline-schedule {args.pipeline_schedule!r}; known: {', '.join(known)}"]
+
+def schedule_source(args: argparse.Namespace) -> str:
+    """How the user named the schedule, for messages."""
+    if getattr(args, "pipeline_schedule_file", None):
+        return f"--pipeline-schedule-file {args.pipeline_schedule_file}"
+    return f"--pipeline-schedule {args.pipeline_schedule}"
+
+
+def job_schedule_options(args: argparse.Namespace) -> dict:
+    """The schedule options given on the command line for this job's schedule (ValueError naming a flag
+    that does not apply)."""
+    from megatron_pp.schedules.registry import options_from_args, schedule_options
+
+    if not getattr(args, "pipeline_schedule_file", None):
+        return options_from_args(args, args.pipeline_schedule)
+    given = {o.name: getattr(args, o.name) for o in schedule_options() if getattr(args, o.name, None) is not None}
+    for name in given:
+        if name not in FILE_SCHEDULE_OPTIONS:
+            raise ValueError(f"{flag(name)} does not apply to --pipeline-schedule-file (its options: "
+                             f"{', '.join(flag(n) for n in FILE_SCHEDULE_OPTIONS)})")
+    return given
+
+
+def schedule_takes_offload_time(args: argparse.Namespace) -> bool:
+    """Whether this job's schedule places host copies (so `--offload-time` matters)."""
+    from megatron_pp.schedules.registry import get_schedule
+
+    if getattr(args, "pipeline_schedule_file", None):
+        return args.offload_chunks is not None or args.offload_fraction is not None
+    return "offload_time" in get_schedule(args.pipeline_schedule).options
+
+
+def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],
+                       offload_time: Optional[float] = None) -> Schedule:
+    """The validated schedule this job runs, from the registry or from --pipeline-schedule-file: the one
+    function `pretrain` and the argument checks both call. `num_chunks` None: the file says (a registered
+    schedule then has 1). Raises ValueError with one line."""
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.schedules.schedule_file import build_schedule_from_file
+
+    pp = args.pipeline_model_parallel_size
+    m = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
+    options = job_schedule_options(args)
+    if offload_time is not None:
+        options["offload_time"] = offload_time
+    if getattr(args, "pipeline_schedule_file", None):
+        return build_schedule_from_file(args.pipeline_schedule_file, num_ranks=pp, num_microbatches=m,
+                                        num_chunks=num_chunks, **options)
+    return build_schedule(args.pipeline_schedule, pp, m, num_chunks or 1, **options)
+
+
+def virtual_stages_given(args: argparse.Namespace) -> bool:
+    return (args.num_layers_per_virtual_pipeline_stage is not None
+            or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None)
+
+
+def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig]) -> tuple[list[str], Optional[Schedule]]:
+    """Errors of the schedule flags, and the schedule when it can be built (the job's sizes are known)."""
+    from megatron_pp.models.layout import split_layers
+    from megatron_pp.schedules.registry import list_schedules
+
+    if not getattr(args, "pipeline_schedule_file", None):
+        known = list_schedules()
+        if args.pipeline_schedule not in known:
+            return [f"unknown --pipeline-schedule {args.pipeline_schedule!r}; known: {', '.join(known)}"], None
     try:
-        options_from_args(args, args.pipeline_schedule)
+        job_schedule_options(args)
     except ValueError as exc:
-        return [str(exc)]
-    return []
+        return [str(exc)], None
+    tp, pp, mbs, gbs = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size,
+                        args.global_batch_size)
+    world = _world_size()
+    if config is None or min(tp, pp, mbs) < 1 or gbs is None or world % (tp * pp) or gbs % (mbs * (world // (tp * pp))):
+        return [], None  # the sizes are wrong: their own checks say so
+    try:
+        chunks = num_chunks(args, config) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
+        schedule = build_job_schedule(args, world // (tp * pp), chunks)
+        if args.pipeline_schedule_file and chunks is None:
+            split_layers(config.num_layers, pp, schedule.num_chunks,
+                         account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                         account_for_loss=args.account_for_loss_in_pipeline_split)
+    except ValueError as exc:
+        return [" ".join(str(exc).split())], None
+    return [], schedule
 
 
 def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[TransformerConfig]]:
@@ -639,9 +728,10 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors += _check_checkpointing_and_exit(args)
     errors += _check_faults(args)
     errors += _check_evaluation_and_logging(args)
-    errors += _check_schedule(args)
-    errors += _check_sharding(args)
     model_errors, config = _check_model(args)
+    schedule_errors, schedule = _check_schedule(args, config)
+    errors += schedule_errors
+    errors += _check_sharding(args, schedule)
     errors += model_errors
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
@@ -679,8 +769,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "megatro
     `default_preset` is the entry point's model when neither the command line nor the config file
     names one (`--model-preset`) or describes one (`--num-layers`).
     """
-    parser = build_parser(description)
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        load_plugins(argv)  # before the parser: a plugin's schedules and option flags are part of it
+    except PluginError as exc:
+        _fail([str(exc)])
+    parser = build_parser(description)
     try:
         argv = expand_config_file(parser, argv)
     except ConfigFileError as exc:

@@ -54,8 +54,8 @@ from megatron_pp.models.transformer import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.peer_store import peer_store_for
-from megatron_pp.schedules.registry import build_schedule, get_schedule, options_from_args
-from megatron_pp.training.arguments import model_config_from_args, num_chunks, parse_args, uses_file_data
+from megatron_pp.training.arguments import (build_job_schedule, model_config_from_args, num_chunks, parse_args,
+                                            schedule_takes_offload_time, uses_file_data, virtual_stages_given)
 from megatron_pp.training.checkpointing import (
     CheckpointError,
     TrainingState,
@@ -692,11 +692,10 @@ def _recomputed_layers(recompute: RecomputeConfig, pipe: Pipeline) -> Optional[i
     return sum(min(recompute.num_layers, spec.num_layers) for spec in pipe.layout)
 
 
-def probe_offload_time(args: argparse.Namespace, shape: TransformerConfig, state: ParallelState,
-                       options: dict) -> Optional[OffloadProbe]:
-    """Measure `--offload-time` when the schedule takes it, the user did not give it, and
+def probe_offload_time(args: argparse.Namespace, shape: TransformerConfig, state: ParallelState) -> Optional[OffloadProbe]:
+    """Measure `--offload-time` when the schedule places host copies, the user did not give it, and
     `--measure-offload-time` is on (default: on CUDA). Collective; None when nothing is measured."""
-    if "offload_time" not in get_schedule(args.pipeline_schedule).options or "offload_time" in options:
+    if not schedule_takes_offload_time(args) or args.offload_time is not None:
         return None
     measure = args.measure_offload_time
     if not (state.device.type == "cuda" if measure is None else measure):
@@ -726,13 +725,9 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     seed_everything(args.seed, state)
     # The layer count decides the chunks; the vocabulary (the tokenizer's, with file data) does not matter yet.
     shape = model_config_from_args(args, vocab_size=1 if uses_file_data(args) else None)
-    num_microbatches = args.global_batch_size // (args.micro_batch_size * state.dp_size)
-    options = options_from_args(args, args.pipeline_schedule)
-    probe = probe_offload_time(args, shape, state, options)
-    if probe is not None:
-        options["offload_time"] = probe.offload_time
-    schedule = build_schedule(args.pipeline_schedule, state.pp_size, num_microbatches, num_chunks(args, shape),
-                              **options)
+    chunks = num_chunks(args, shape) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
+    probe = probe_offload_time(args, shape, state)
+    schedule = build_job_schedule(args, state.dp_size, chunks, offload_time=probe.offload_time if probe else None)
     config, data = build_config_and_data(args, state)
     recompute = schedule_recompute(schedule, RecomputeConfig(
         args.recompute_granularity, args.recompute_method,

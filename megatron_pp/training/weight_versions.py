@@ -56,14 +56,15 @@ from megatron_pp.core import comm
 from megatron_pp.core.tensor_parallel.utils import PendingCollective, start_all_reduce_
 from megatron_pp.schedules.execute import ExecutorHooks
 from megatron_pp.schedules.ir import Action, Op, Schedule
-from megatron_pp.schedules.twobw import NAME as TWO_BW
+from megatron_pp.schedules.runtime import runtime_needs
 from megatron_pp.training.optimizer import (LossScaler, OptimizerConfig, StepOutcome, _check_precision,
                                             _make_inner_optimizer)
 
 
 def uses_weight_versions(schedule: Schedule) -> bool:
-    """Whether `schedule` runs on two weight versions (2BW) and so needs `WeightVersions`."""
-    return schedule.name == TWO_BW
+    """Whether `schedule` runs on two weight versions (2BW) and so needs `WeightVersions`: its actions carry
+    weight versions or an in-list optimizer STEP (a fact of the lists, so plugins and files get it too)."""
+    return runtime_needs(schedule).weight_versions
 
 
 class WeightVersions(ExecutorHooks):

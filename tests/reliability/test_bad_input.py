@@ -127,7 +127,7 @@ CASES = [
     ("vp-does-not-divide", MOCK + ["--num-layers-per-virtual-pipeline-stage", "3"],
      "--num-layers-per-virtual-pipeline-stage 3", 2, None, {}),
     ("chunks-without-virtual", MOCK + ["--num-virtual-stages-per-pipeline-rank", "2"],
-     "has no virtual stages", 1, None, {}),
+     "has no virtual stages", 2, None, {}),  # the schedule is built by the argument checks: a usage error
     # Config files ------------------------------------------------------------------------------------
     ("yaml-unknown-key", ["--config", "{tmp}/run.yaml"], "unknown key 'learning_rate'", 2, "learning_rate: 0.1\n", {}),
     ("yaml-not-mapping", ["--config", "{tmp}/run.yaml"], "expected a mapping", 2, "- lr\n", {}),
@@ -206,8 +206,9 @@ def test_bad_input_is_one_line_and_writes_nothing(fx, tmp_path, capsys, monkeypa
     assert not (tmp_path / "pwned").exists()  # the pickle's code never ran
 
 
-# Schedules that need several ranks: the sizes only conflict once the world is known. Separate processes,
-# each rank printing its own line.
+# Schedules that need several ranks: the sizes only conflict once the world is known. The argument checks
+# build the schedule for the launched world, so each rank refuses before any process group (exit 2).
+# Separate processes, each rank printing its own line.
 @pytest.mark.parametrize("schedule,needle", [("2bw", "m >= p"), ("looped-bfs", "microbatches per breadth-first")],
                          ids=["2bw-m<p", "looped-bfs-m<p"])
 def test_schedule_needing_more_microbatches_fails_on_every_rank(tmp_path, schedule, needle):
@@ -216,7 +217,7 @@ def test_schedule_needing_more_microbatches_fails_on_every_rank(tmp_path, schedu
                                     "--pipeline-schedule", schedule, "--metrics-file", str(tmp_path / "m.jsonl"),
                                     *extra], str(tmp_path))
     codes = wait_all(procs, timeout=120)
-    assert codes == [1, 1], [stderr_of(str(tmp_path), r) for r in range(2)]
+    assert codes == [2, 2], [stderr_of(str(tmp_path), r) for r in range(2)]
     errs = [stderr_of(str(tmp_path), r) for r in range(2)]
     for err in errs:
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err

@@ -23,18 +23,18 @@ def _pretrain_offload(ctx, argv):
     from megatron_pp.training.arguments import parse_args
 
     seen = {}
-    original = train.build_schedule
+    original = train.build_job_schedule
 
-    def recording(name, *sizes, **options):
-        seen.update(options)
-        return original(name, *sizes, **options)
+    def recording(*args, **kwargs):
+        seen["offload_time"] = kwargs.get("offload_time")
+        return original(*args, **kwargs)
 
-    train.build_schedule = recording
+    train.build_job_schedule = recording
     try:
         args = parse_args(argv)
         rows = train.pretrain(args, state=ctx.parallel_state(1, args.pipeline_model_parallel_size))
     finally:
-        train.build_schedule = original
+        train.build_job_schedule = original
     return seen.get("offload_time"), [r["loss"] for r in rows if "loss" in r]
 
 

@@ -1,0 +1,38 @@
+"""What runtime a schedule needs, read from its action lists (never from its name).
+
+The executor and the trainer assemble a rank's runtime from these facts, so a schedule registered by a
+plugin or read from a file gets the same machinery as a built-in one:
+
+| fact in the lists                      | runtime part                                                  |
+| -------------------------------------- | ------------------------------------------------------------- |
+| OFFLOAD / RELOAD                       | host store (`offload_store.OffloadStore`)                     |
+| EVICT / LOAD                           | peer store and acceptor (`peer_store`, BPipe)                 |
+| a weight version on any action, STEP   | two weight versions and the deferred optimizer step (2BW)     |
+| BI / BW (a split backward)             | the backward split into input and weight gradients            |
+
+Torch-free, so the argument checks can ask before anything is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_pp.schedules.ir import Op, Schedule
+
+
+@dataclass(frozen=True)
+class RuntimeNeeds:
+    host_offload: bool
+    peer_parking: bool
+    weight_versions: bool
+    split_backward: bool
+
+
+def runtime_needs(schedule: Schedule) -> RuntimeNeeds:
+    ops = {a.op for acts in schedule.actions for a in acts}
+    versioned = any(a.version is not None for acts in schedule.actions for a in acts)
+    return RuntimeNeeds(
+        host_offload=bool(ops & {Op.OFFLOAD, Op.RELOAD}),
+        peer_parking=bool(ops & {Op.EVICT, Op.LOAD}),
+        weight_versions=versioned or Op.STEP in ops,
+        split_backward=bool(ops & {Op.BI, Op.BW}),
+    )
