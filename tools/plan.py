@@ -23,6 +23,7 @@ from megatron_pp.models.presets import configured_preset, preset_names  # noqa: 
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
+from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster, Job, Plan, Planner,  # noqa: E402
                                           Prediction, equivalence_key, launch_command,
                                           summary_row)
@@ -32,7 +33,14 @@ SKIP_REASONS = 5
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        load_plugins(argv)  # a plugin's schedules are candidates like the built-in ones
+    except PluginError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     p = ExitingArgumentParser(description=__doc__.splitlines()[0])
+    add_plugin_flag(p)
     p.add_argument("--model-preset", required=True, help=f"one of {', '.join(preset_names())}")
     p.add_argument("--seq-length", type=int, help="override the preset's sequence length")
     p.add_argument("--hidden-dropout", type=float, help="override the preset's value")
@@ -75,7 +83,8 @@ def build(args: argparse.Namespace) -> Planner:
     overrides = {"memory_gib": args.gpu_memory_gb, "gpus_per_node": args.gpus_per_node,
                  "tp_link_gbps": args.intra_node_gbps, "pair_link_gbps": args.inter_node_gbps}
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v is not None})
-    job = Job(args.model_preset, config, args.global_batch_size, attention_backend=args.attention_backend)
+    job = Job(args.model_preset, config, args.global_batch_size, attention_backend=args.attention_backend,
+              plugins=tuple(args.schedule_plugin))
     cluster = Cluster(args.num_gpus, hardware, host_link_gbps=args.host_link_gbps,
                       reserved_fraction=args.reserved_memory_fraction)
     recompute = tuple(x.strip() for x in args.recompute_options.split(",") if x.strip())

@@ -31,9 +31,12 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
+from megatron_pp.cli import OneLineArgumentParser, UsageError, write_json  # noqa: E402
 from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule  # noqa: E402
+from megatron_pp.schedules.plugins import add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.schedules.registry import build_schedule, get_schedule, registered_schedules  # noqa: E402
+from megatron_pp.schedules.schedule_file import (FILE_SCHEDULE_OPTIONS, build_schedule_from_file,  # noqa: E402
+                                                 schedule_to_json)
 from megatron_pp.schedules.simulate import DEFAULT_TRANSFER, CostModel, SimResult, simulate  # noqa: E402
 
 _PROG = "plot_schedule.py"
@@ -46,9 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"registered schedule name or alias ({known})")
     parser.add_argument("--compare", default=None, metavar="NAME,NAME,...",
                         help="instead of --schedule: several schedules' stash curves side by side")
-    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks p")
-    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step m")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank v (default 1)")
+    parser.add_argument("--pipeline-schedule-file", default=None, metavar="FILE",
+                        help="instead of --schedule: torch's compute-only CSV or our JSON (docs/plugins.md); p, m and v "
+                             "come from the file (--pp/--microbatches/--chunks, when given, must agree)")
+    add_plugin_flag(parser)
+    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks p (required with --schedule/--compare)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per step m (required with --schedule/--compare)")
+    parser.add_argument("--chunks", type=int, default=None, help="model chunks per rank v (default 1)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="schedule option, repeatable (e.g. microbatch_group_size=4); VALUE is read as JSON "
                              "when it parses, else as a string")
@@ -60,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default {DEFAULT_TRANSFER})")
     parser.add_argument("--stage-weights", default=None, metavar="W0,W1,...",
                         help="per global stage multiplier of compute times (e.g. layers per stage)")
-    parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument("--out", default=None, help="PNG file to write")
     parser.add_argument("--json", default=None, help="also write the lists and results to this JSON file")
+    parser.add_argument("--export-schedule", default=None, metavar="FILE",
+                        help="write the validated schedule in the JSON form --pipeline-schedule-file reads (a start "
+                             "for a hand-edited schedule)")
     return parser
 
 
@@ -89,25 +100,45 @@ def _parse_weights(text: str | None) -> list[float] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        load_plugins(argv)  # before the parser, whose help lists the registered schedules
         args = build_parser().parse_args(argv)
-        if (args.schedule is None) == (args.compare is None):
-            raise UsageError("give exactly one of --schedule and --compare")
+        if sum(x is not None for x in (args.schedule, args.compare, args.pipeline_schedule_file)) != 1:
+            raise UsageError("give exactly one of --schedule, --compare and --pipeline-schedule-file")
+        if args.out is None and args.json is None and args.export_schedule is None:
+            raise UsageError("nothing to write: give --out, --json or --export-schedule")
+        if args.pipeline_schedule_file is None and (args.pp is None or args.microbatches is None):
+            raise UsageError("--pp and --microbatches are required with --schedule and --compare")
         options = _parse_options(args.option)
         costs = CostModel(forward=args.forward_time, backward=args.backward_time, p2p_latency=args.p2p_latency,
                           stage_weights=_parse_weights(args.stage_weights), transfer=args.offload_time)
-        names = [args.schedule] if args.compare is None else [n.strip() for n in args.compare.split(",") if n.strip()]
         runs = []
+        if args.pipeline_schedule_file is not None:
+            wrong = sorted(set(options) - set(FILE_SCHEDULE_OPTIONS))
+            if wrong:
+                raise UsageError(f"--option {wrong[0]} does not apply to --pipeline-schedule-file (its options: "
+                                 f"{', '.join(FILE_SCHEDULE_OPTIONS)})")
+            if args.offload_time is not None and ("offload_chunks" in options or "offload_fraction" in options):
+                options.setdefault("offload_time", args.offload_time)
+            schedule = build_schedule_from_file(args.pipeline_schedule_file, num_ranks=args.pp,
+                                                num_microbatches=args.microbatches, num_chunks=args.chunks, **options)
+            runs.append((schedule, simulate(schedule, costs)))
+        names = [] if args.pipeline_schedule_file else (
+            [args.schedule] if args.compare is None else [n.strip() for n in args.compare.split(",") if n.strip()])
         for name in names:
             opts = dict(options)
             if args.offload_time is not None and "offload_time" in get_schedule(name).options:
                 opts.setdefault("offload_time", args.offload_time)  # place the copies as they are timed
-            schedule = build_schedule(name, args.pp, args.microbatches, args.chunks, **opts)
+            schedule = build_schedule(name, args.pp, args.microbatches, args.chunks or 1, **opts)
             runs.append((schedule, simulate(schedule, costs)))
-        if args.compare is None:
-            draw(*runs[0], args.out)
-        else:
-            draw_comparison(runs, args.out)
+        if args.out is not None:
+            if args.compare is None:
+                draw(*runs[0], args.out)
+            else:
+                draw_comparison(runs, args.out)
+        if args.export_schedule:
+            write_json(args.export_schedule, schedule_to_json(runs[0][0]))
         if args.json:
             records = [to_json(schedule, result, costs) for schedule, result in runs]
             Path(args.json).write_text(_format_json(records[0]) if args.compare is None else

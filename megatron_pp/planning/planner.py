@@ -192,6 +192,8 @@ class Job:
     global_batch_size: int
     attention_backend: str = "flash"
     device_type: str = "cuda"
+    plugins: tuple[str, ...] = ()
+    """`--schedule-plugin` values that registered schedules the plan may pick (repeated in its commands)."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -1017,6 +1019,8 @@ def launch_flags(job: Job, c: Configuration) -> list[str]:
     flags += ["--tensor-model-parallel-size", str(c.tp), "--pipeline-model-parallel-size", str(c.pp)]
     if c.num_chunks > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(job.config.num_layers // (c.pp * c.num_chunks))]
+    for plugin in job.plugins:
+        flags += ["--schedule-plugin", plugin]
     flags += ["--pipeline-schedule", c.schedule]
     for name, value in c.options:
         if name not in option_flags:

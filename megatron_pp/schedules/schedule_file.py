@@ -40,6 +40,8 @@ from megatron_pp.schedules.ir import COMM_OPS, Action, Op, Schedule, ScheduleErr
 from megatron_pp.schedules.validate import validate
 
 JSON_FORMAT = "megatron_pp.schedule/1"
+FILE_SCHEDULE_OPTIONS = ("offload_chunks", "offload_fraction", "offload_time", "bpipe_max_resident")
+"""The schedule options that apply to a schedule file: the passes that rewrite any compute order."""
 _TORCH_CELL = re.compile(r"(\d+)(F|B|I|W)(\d+)")
 _TORCH_SKIPPED = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
 _TORCH_OPS = {"F": Op.F, "B": Op.B, "I": Op.BI, "W": Op.BW}

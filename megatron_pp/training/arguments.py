@@ -38,6 +38,7 @@ from megatron_pp.models.config import TransformerConfig, flag
 from megatron_pp.schedules.ir import Schedule
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins
 from megatron_pp.schedules.registry import schedule_options
+from megatron_pp.schedules.schedule_file import FILE_SCHEDULE_OPTIONS
 
 # Fields that are not set by their own generated flag (Megatron spells them differently, or they are
 # derived from precision flags).
@@ -593,10 +594,6 @@ def _check_sharding(args: argparse.Namespace, schedule: Optional[Schedule]) -> l
         movers = [flag(n) for n in ("offload_chunks", "offload_fraction") if getattr(args, n, None) is not None]
     return [f"--data-parallel-sharding-strategy optim_grads_params cannot be combined with {m}: stashes parked "
             "off the device are not supported with sharded weights" for m in movers]
-
-
-FILE_SCHEDULE_OPTIONS = ("offload_chunks", "offload_fraction", "offload_time", "bpipe_max_resident")
-"""The schedule options that apply to --pipeline-schedule-file: the passes that rewrite any compute order."""
 
 
 def schedule_source(args: argparse.Namespace) -> str:

@@ -1,0 +1,128 @@
+"""Schedules from files: torch.distributed.pipelining's own schedules, written with torch's CSV writer, run
+here from the file and give the single-process losses; bad files give one line and exit 2."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from megatron_pp.schedules.registry import build_schedule
+from megatron_pp.schedules.schedule_file import (ScheduleFileError, build_schedule_from_file, read_torch_csv,
+                                                 schedule_to_json)
+from tests.dist import run_distributed
+
+TORCH_SCHEDULES = ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+                   "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+
+
+def torch_csv(path, class_name: str, p: int, m: int, v: int = 2) -> str:
+    """Write torch's compute-only CSV of one of its schedule classes for p ranks (as rank 0 sees it: the
+    classes compute every rank's order)."""
+    from torch.distributed.pipelining import schedules
+
+    n = p * v
+    stage_ids = [0, n - 1] if class_name in V_SHAPED else [c * p for c in range(v)]
+    # The classes read only these attributes of a stage to lay out the order.
+    stages = [types.SimpleNamespace(group_size=p, group_rank=0, stage_index=s, num_stages=n, is_first=s == 0,
+                                    is_last=s == n - 1, stage_index_to_group_rank={}, submod=torch.nn.Identity())
+              for s in stage_ids]
+    schedule = getattr(schedules, class_name)(stages, m, loss_fn=lambda out, target: out)
+    schedule._dump_csv(str(path), format="compute_only")
+    return str(path)
+
+
+@pytest.mark.parametrize("class_name", TORCH_SCHEDULES)
+def test_torch_orders_read_with_their_placement(tmp_path, class_name):
+    schedule = build_schedule_from_file(torch_csv(tmp_path / "s.csv", class_name, 4, 8))
+    assert (schedule.num_ranks, schedule.num_microbatches, schedule.num_chunks) == (4, 8, 2)
+    if class_name in V_SHAPED:  # rank r holds stages r and 7 - r
+        assert schedule.placement == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1)]
+    else:
+        assert schedule.placement == [(r % 4, r // 4) for r in range(8)]
+    computes = [a for acts in schedule.actions for a in acts if a.is_compute]
+    assert sum(a.op.value == "F" for a in computes) == 8 * 8
+
+
+def _losses(ctx, argv):
+    from megatron_pp.training.arguments import parse_args
+    from megatron_pp.training.train import pretrain
+
+    args = parse_args(argv)
+    rows = pretrain(args, state=ctx.parallel_state(1, args.pipeline_model_parallel_size))
+    return [r["loss"] for r in rows] if rows else None
+
+
+COMMON = ["--model-preset", "llama-tiny", "--num-layers", "8", "--mock-data", "--micro-batch-size", "1",
+          "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from megatron_pp.training.arguments import parse_args
+    from megatron_pp.training.train import pretrain
+
+    return [r["loss"] for r in pretrain(parse_args(COMMON))]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("class_name", TORCH_SCHEDULES)
+def test_torch_schedule_from_its_csv_trains_exactly(tmp_path, reference, class_name, p):
+    path = torch_csv(tmp_path / "s.csv", class_name, p, 8)
+    losses = run_distributed(p, _losses, COMMON + ["--pipeline-model-parallel-size", str(p),
+                                                   "--pipeline-schedule-file", path])[0]
+    assert len(losses) == 2
+    for a, b in zip(losses, reference):
+        assert abs(a - b) <= 1e-5 * abs(b), (class_name, p, losses, reference)
+
+
+def test_exported_json_round_trips_and_takes_the_offload_pass(tmp_path):
+    built = build_schedule("gis", 2, 4, 2)
+    path = tmp_path / "gis.json"
+    path.write_text(json.dumps(schedule_to_json(built)))
+    again = build_schedule_from_file(str(path))
+    assert again.actions == built.actions and again.placement == built.placement
+    offloaded = build_schedule_from_file(str(path), offload_chunks=1)
+    assert any(a.op.value == "OFFLOAD" for acts in offloaded.actions for a in acts)
+
+
+@pytest.mark.parametrize("rows,needle", [
+    (["0F0,0B0", "1F0"], "rank 1 never produces that message"),  # stage 1 has no backward: no gradient for rank 0
+    (["0F0,1F0,1B0,0B0", "1F0,1B0"], "stage 1 is computed on rank 0 and on rank 1"),
+    (["0F0,0X0,0B0", "1F0,1B0"], "row 1, column 2: cannot read cell '0X0'"),
+])
+def test_bad_files_are_one_line_naming_the_place(tmp_path, rows, needle):
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ScheduleFileError) as info:
+        build_schedule_from_file(str(path))
+    assert "\n" not in str(info.value) and needle in str(info.value), str(info.value)
+
+
+def test_bad_file_through_the_training_script_exits_2(tmp_path, capsys):
+    from megatron_pp.training.arguments import parse_args
+
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0X0\n1F0,1B0\n")
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1",
+                    "--train-iters", "1", "--pipeline-schedule-file", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "cannot read cell" in err[0], err
+
+
+def test_flags_that_disagree_with_the_file_name_both_values(tmp_path):
+    path = torch_csv(tmp_path / "s.csv", "ScheduleInterleaved1F1B", 2, 8)
+    with pytest.raises(ScheduleFileError, match="has 2 for --pipeline-model-parallel-size, the job has 4"):
+        build_schedule_from_file(path, num_ranks=4)
+    with pytest.raises(ScheduleFileError, match="has 8 for microbatches per step .*the job has 4"):
+        build_schedule_from_file(path, num_microbatches=4)
+
+
+def test_csv_skips_communication_cells_and_idle_slots():
+    text = "0F0,,0SEND_F0,0UNSHARD,,0B0\n1RECV_F0,1F0,1B0\n"
+    schedule = read_torch_csv("inline.csv", text)
+    assert [str(a) for a in schedule.actions[0]] == ["F0.0", "B0.0"]
+    assert [str(a) for a in schedule.actions[1]] == ["F0.0", "B0.0"]
