@@ -3,35 +3,27 @@ here from the file and give the single-process losses; bad files give one line a
 from __future__ import annotations
 
 import json
-import types
+import os
+import sys
 
 import pytest
-import torch
 
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.schedule_file import (ScheduleFileError, build_schedule_from_file, read_torch_csv,
                                                  schedule_to_json)
 from tests.dist import run_distributed
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
+from torch_schedule_csv import write_torch_csv  # noqa: E402
+
 TORCH_SCHEDULES = ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
                    "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 
 
-def torch_csv(path, class_name: str, p: int, m: int, v: int = 2) -> str:
-    """Write torch's compute-only CSV of one of its schedule classes for p ranks (as rank 0 sees it: the
-    classes compute every rank's order)."""
-    from torch.distributed.pipelining import schedules
-
-    n = p * v
-    stage_ids = [0, n - 1] if class_name in V_SHAPED else [c * p for c in range(v)]
-    # The classes read only these attributes of a stage to lay out the order.
-    stages = [types.SimpleNamespace(group_size=p, group_rank=0, stage_index=s, num_stages=n, is_first=s == 0,
-                                    is_last=s == n - 1, stage_index_to_group_rank={}, submod=torch.nn.Identity())
-              for s in stage_ids]
-    schedule = getattr(schedules, class_name)(stages, m, loss_fn=lambda out, target: out)
-    schedule._dump_csv(str(path), format="compute_only")
-    return str(path)
+def torch_csv(path, class_name: str, p: int, m: int) -> str:
+    """torch's compute-only CSV of one of its schedule classes, written by the project's tool."""
+    return write_torch_csv(str(path), class_name, p, m)
 
 
 @pytest.mark.parametrize("class_name", TORCH_SCHEDULES)
