@@ -57,6 +57,8 @@ from megatron_pp.schedules.peer_store import prepare_store
 from megatron_pp.schedules.store import ActivationStore
 
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
+"""What a forward-only run (evaluation) keeps of a list."""
 
 
 @dataclass
@@ -156,6 +158,8 @@ class PipelineExecutor:
             self.handlers[op] = compute
         self.handlers.update(hooks.handlers)
 
+    _forward_only = False
+
     def _clear_in_flight(self) -> None:
         self._inputs: dict[tuple[int, int], object] = {}  # Transfer (received) or leaf tensor (local)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -164,13 +168,18 @@ class PipelineExecutor:
 
     # The loop ---------------------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[dict] | Mapping[int, dict], loss_scale: float,
-            segment: Optional[Sequence[Action]] = None) -> StepResult:
+            segment: Optional[Sequence[Action]] = None, forward_only: bool = False) -> StepResult:
         """Execute the rank's list once. `microbatches[i]` is the batch dict of microbatch i.
 
         With `segment`, run those actions instead: one call of a list that spans optimizer steps (2BW, see
         `schedules.twobw`). What is in flight when it ends (inputs, outputs and gradients of microbatches
         whose backward is in a later call, their stashes) stays for the next call, `microbatches` maps the
         segment's microbatch numbers to batch dicts, and nothing is checked for leftovers.
+
+        With `forward_only` (evaluation; call under `torch.no_grad()`), only the list's forwards and their
+        communication run, in the list's order, and nothing is kept for a backward. Removing actions from a
+        deadlock-free list keeps it deadlock-free: every wait that remains was ordered the same way in the
+        full list. Hooks and stash stores are bypassed (no weight switching, no parking).
         """
         if segment is None:
             if len(microbatches) != self.schedule.num_microbatches:
@@ -182,12 +191,16 @@ class PipelineExecutor:
         self._loss_sum: Optional[torch.Tensor] = None
         self._token_count: Optional[torch.Tensor] = None
         self._wait_s = 0.0
-        self.store.begin_step()
-        self.store.reset_peak()
+        self._forward_only = forward_only
+        if not forward_only:
+            self.store.begin_step()
+            self.store.reset_peak()
         events: list[tuple[str, float, float]] = []
         t0 = time.perf_counter()
 
         actions, i = (self.actions if segment is None else segment), 0
+        if forward_only:
+            actions = [a for a in actions if a.op in FORWARD_OPS]
         while i < len(actions):
             start = time.perf_counter() - t0 if self.trace else 0.0
             first = i
@@ -195,6 +208,9 @@ class PipelineExecutor:
                 while i < len(actions) and actions[i].op in COMM_OPS:
                     i += 1
                 self._post_batch(actions[first:i])
+            elif forward_only:
+                self._forward(actions[i])
+                i += 1
             else:
                 self.handlers[actions[i].op](actions[i])
                 i += 1
@@ -206,7 +222,8 @@ class PipelineExecutor:
                 events.append((" ".join(map(str, actions[first:i])), start, time.perf_counter() - t0))
         if self.comm is not None:
             self.comm.drain()
-        self.store.end_step()
+        if not forward_only:
+            self.store.end_step()
         leftovers = [name for name, d in (("inputs", self._inputs), ("outputs", self._outputs),
                                           ("output grads", self._grad_outputs), ("input grads", self._input_grads)) if d]
         if leftovers and segment is None:
@@ -230,6 +247,8 @@ class PipelineExecutor:
         return item
 
     def _forward(self, action: Action) -> None:
+        if self._forward_only:
+            return self._forward_without_grad(action)
         mb, c = action.microbatch, action.chunk
         key = (mb, c)
         batch = self._microbatches[mb]
@@ -253,6 +272,21 @@ class PipelineExecutor:
             self._token_count = count if self._token_count is None else self._token_count + count
         elif self._next[c][0] == self.rank:
             self._inputs[(mb, self._next[c][1])] = y.detach()
+
+    def _forward_without_grad(self, action: Action) -> None:
+        mb, c = action.microbatch, action.chunk
+        batch = self._microbatches[mb]
+        x = self._take(self._inputs, (mb, c)) if self._prev[c] is not None else None
+        y = self.chunks[c](x, batch)
+        if self._is_last[c]:
+            mask = batch["loss_mask"]
+            masked, count = (y.float() * mask).sum(), mask.sum()
+            self._loss_sum = masked if self._loss_sum is None else self._loss_sum + masked
+            self._token_count = count if self._token_count is None else self._token_count + count
+        elif self._next[c][0] == self.rank:
+            self._inputs[(mb, self._next[c][1])] = y
+        else:
+            self._outputs[(mb, c)] = y  # until its SEND_F
 
     def _backward(self, action: Action) -> None:
         self._backward_pass(action)
@@ -317,7 +351,9 @@ class PipelineExecutor:
         sends, recvs, slots = [], [], []
         for a in batch:
             key = (a.microbatch, a.chunk)
-            if a.op is Op.SEND_F:
+            if a.op is Op.SEND_F and self._forward_only:
+                sends.append((self._outputs.pop(key), a.peer, None))
+            elif a.op is Op.SEND_F:
                 out = self._outputs[key]
                 # The output's data is only needed by the receiver; free it once the send is done.
                 sends.append((out.detach(), a.peer, lambda out=out: release_storage(out)))

@@ -18,10 +18,10 @@ the uninterrupted run would have read.
 `--pipeline-schedule 2bw` trains with `training.twobw.TwoBWTrainer` instead, whose executor calls span
 optimizer steps (one batch per call, no flush between them, the update deferred into the action lists).
 
-Validation runs the schedule's own forward actions only (F, SEND_F, RECV_F, in the list's order) under
-`torch.no_grad()`, with dropout off and the random generators put back afterwards, so evaluating never
-changes the training trajectory. Removing actions from a deadlock-free list keeps it deadlock-free:
-every wait that remains was already ordered the same way in the full list.
+Validation runs the schedule's own forward actions only (F, SEND_F, RECV_F, in the list's order) through
+the same executor (`PipelineExecutor.run(..., forward_only=True)`) under `torch.no_grad()`, with dropout
+off and the random generators put back afterwards, so every schedule and placement evaluates the way it
+trains and evaluating never changes the training trajectory.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from torch import nn
 
 from megatron_pp.core import comm
 from megatron_pp.core.grads import finalize_gradients, unique_parameters
-from megatron_pp.core.p2p import PipelineComm, Transfer
+from megatron_pp.core.p2p import PipelineComm
 from megatron_pp.core.parallel_state import ParallelState, init_distributed
 from megatron_pp.core.tensor_parallel import model_parallel_seed
 from megatron_pp.data.mock import mock_sample
@@ -52,7 +52,7 @@ from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.models.transformer import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor, StepResult
-from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.ir import Schedule
 from megatron_pp.schedules.peer_store import peer_store_for
 from megatron_pp.training.arguments import (build_job_schedule, model_config_from_args, num_chunks, parse_args,
                                             schedule_takes_offload_time, uses_file_data, virtual_stages_given)
@@ -75,8 +75,6 @@ from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, Training
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.watchdog import Watchdog
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions, uses_weight_versions
-
-FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
 
 # Mock validation samples start here: a range no training run reaches (10^12 samples).
 MOCK_VALID_FIRST_SAMPLE = 1 << 40
@@ -424,10 +422,10 @@ class Trainer:
                 for e in range(args.eval_iters):
                     batches = self.data.microbatches(self.data.valid, e * args.global_batch_size, state.dp_rank,
                                                      state.device)
-                    s, t = forward_only(self.pipe, batches)
-                    if s is not None:
-                        loss_sum += s.double().cpu()
-                        tokens += t.double().cpu()
+                    result = self.pipe.executor.run(batches, loss_scale=1.0, forward_only=True)
+                    if result.loss_sum is not None:
+                        loss_sum += result.loss_sum.double().cpu()
+                        tokens += result.token_count.double().cpu()
         finally:
             for chunk in self.pipe.chunks:
                 chunk.train()
@@ -608,67 +606,6 @@ def loggable_settings(values: dict) -> dict:
         return value
 
     return {k: clean(k, v) for k, v in values.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
-
-
-# Evaluation -------------------------------------------------------------------------------------------
-
-
-def forward_only(pipe: Pipeline, microbatches: Sequence[dict]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Run the forward actions of this rank's list (see the module docstring); call under no_grad.
-
-    Returns (sum of masked per-token losses, token count) over the microbatches on the rank holding the
-    last stage, (None, None) elsewhere.
-    """
-    schedule, rank, executor = pipe.schedule, pipe.state.pp_rank, pipe.executor
-    actions = [a for a in schedule.actions[rank] if a.op in FORWARD_OPS]
-    last = schedule.num_stages - 1
-    inputs: dict[tuple[int, int], Any] = {}  # Transfer (posted receive) or tensor (same-rank handover)
-    outputs: dict[tuple[int, int], torch.Tensor] = {}  # waiting for their SEND_F
-    loss_sum: Optional[torch.Tensor] = None
-    tokens: Optional[torch.Tensor] = None
-    i = 0
-    while i < len(actions):
-        action = actions[i]
-        if action.op is not Op.F:
-            j = i
-            while j < len(actions) and actions[j].op is not Op.F:
-                j += 1
-            _post_forward_batch(actions[i:j], executor, inputs, outputs)
-            i = j
-            continue
-        i += 1
-        mb, c = action.microbatch, action.chunk
-        stage = schedule.stage_of(rank, c)
-        x = None
-        if stage > 0:
-            x = inputs.pop((mb, c))
-            if isinstance(x, Transfer):
-                x, _ = x.wait()
-        batch = microbatches[mb]
-        y = pipe.chunks[c](x, batch)
-        if stage == last:
-            mask = batch["loss_mask"]
-            masked, count = (y.float() * mask).sum(), mask.sum()
-            loss_sum = masked if loss_sum is None else loss_sum + masked
-            tokens = count if tokens is None else tokens + count
-            continue
-        next_rank, next_chunk = schedule.location(stage + 1)
-        if next_rank == rank:
-            inputs[(mb, next_chunk)] = y
-        else:
-            outputs[(mb, c)] = y
-    if executor.comm is not None:
-        executor.comm.drain()
-    return loss_sum, tokens
-
-
-def _post_forward_batch(batch: Sequence[Action], executor: PipelineExecutor, inputs: dict, outputs: dict) -> None:
-    sends = [(outputs.pop((a.microbatch, a.chunk)), a.peer, None) for a in batch if a.op is Op.SEND_F]
-    receives = [a for a in batch if a.op is Op.RECV_F]
-    buffers = [(torch.empty(executor.activation_shape, dtype=executor.dtype, device=executor.device), a.peer)
-               for a in receives]
-    for a, transfer in zip(receives, executor.comm.post(sends, buffers)):
-        inputs[(a.microbatch, a.chunk)] = transfer
 
 
 # The job ----------------------------------------------------------------------------------------------
