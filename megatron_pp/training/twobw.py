@@ -37,8 +37,9 @@ from megatron_pp.schedules.twobw import CallKind, build_plan
 from megatron_pp.training.checkpointing import CheckpointError
 from megatron_pp.training.metrics import take_peak_memory
 from megatron_pp.training.signals import ExitConditions
-from megatron_pp.training.train import (Trainer, TrainingStopped, evaluation_enabled, global_token_count,
-                                         write_trace)
+from megatron_pp.training.step import global_token_count
+from megatron_pp.training.step_data import evaluation_enabled
+from megatron_pp.training.trainer import Trainer, TrainingStopped, write_trace
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions
 
 

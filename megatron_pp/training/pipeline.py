@@ -1,0 +1,81 @@
+"""One rank's pipeline: the schedule's list, this rank's model chunks and the executor that runs them.
+
+`build_pipeline` is the one place a schedule meets model code: it splits the layers over the stages the
+schedule places on this rank, builds those chunks, and gives the executor the stash store its list needs
+(host offload, BPipe's peer parking) and, for lists with weight versions, the 2BW hooks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from megatron_pp.core.p2p import PipelineComm
+from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.models.config import TransformerConfig
+from megatron_pp.models.layout import StageSpec, split_layers
+from megatron_pp.models.transformer import RecomputeConfig
+from megatron_pp.schedules.execute import PipelineExecutor
+from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.peer_store import peer_store_for
+from megatron_pp.training.layered import schedule_recompute
+from megatron_pp.training.model import build_model_chunks
+from megatron_pp.training.weight_versions import WeightVersions, uses_weight_versions
+
+
+@dataclass
+class Pipeline:
+    """Everything one rank needs to run steps."""
+
+    state: ParallelState
+    config: TransformerConfig
+    schedule: Schedule
+    layout: list[StageSpec]
+    chunks: list[nn.Module]
+    executor: PipelineExecutor
+    versions: Optional[WeightVersions] = None
+    """2BW: the two weight versions the executor switches between (None for single-version schedules)."""
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """Global stage of each of this rank's chunks."""
+        return [self.schedule.stage_of(self.state.pp_rank, c) for c in range(self.schedule.num_chunks)]
+
+
+def build_pipeline(
+    config: TransformerConfig,
+    state: ParallelState,
+    schedule: Schedule,
+    *,
+    micro_batch_size: int,
+    seed: int,
+    sequence_parallel: bool = False,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    account_for_embedding: bool = False,
+    account_for_loss: bool = False,
+    recompute: Optional[RecomputeConfig] = None,
+    trace: bool = False,
+) -> Pipeline:
+    layout = split_layers(
+        config.num_layers, state.pp_size, schedule.num_chunks,
+        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+        account_for_embedding=account_for_embedding, account_for_loss=account_for_loss,
+    )
+    recompute = schedule_recompute(schedule, recompute)  # None: the schedule's own memory mode
+    chunks = build_model_chunks(config, layout, schedule, state, seed=seed, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
+    seq = config.seq_length // state.tp_size if sequence_parallel else config.seq_length
+    pipeline_comm = PipelineComm(state.pp_group, state.pp_ranks) if state.pp_size > 1 else None
+    versions = WeightVersions(chunks) if uses_weight_versions(schedule) else None
+    executor = PipelineExecutor(
+        schedule, state.pp_rank, chunks, comm=pipeline_comm,
+        activation_shape=(seq, micro_batch_size, config.hidden_size),
+        dtype=config.params_dtype, device=state.device, trace=trace,
+        store=peer_store_for(schedule, state),  # BPipe: collective, creates the pairs' process groups
+        hooks=versions,
+    )
+    if versions is not None:
+        executor.store.exclude(versions.buffers[1])  # the second weight buffer is no activation either
+    return Pipeline(state, config, schedule, layout, chunks, executor, versions)

@@ -1,0 +1,361 @@
+"""The training loop of one rank: iterations, evaluation, checkpoints, numerics checks, metrics rows, trace.
+
+`Trainer.run` iterates to `--train-iters` or an early exit. After an iteration come, when due, a validation
+pass (`--eval-interval`), a checkpoint (`--save-interval`) and the early-exit check (signals,
+`--exit-interval`, `--exit-duration-in-mins`), which saves before stopping. The run also saves when
+training completes. PipeDream-2BW's loop (`training.twobw.TwoBWTrainer`) changes the iteration only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_pp.core import comm
+from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.training.checkpointing import (
+    CheckpointError,
+    TrainingState,
+    capture_rng_state,
+    load_checkpoint,
+    read_tracker,
+    restore_rng_state,
+    save_checkpoint,
+)
+from megatron_pp.training.faults import FaultPlan, poison_first_gradient
+from megatron_pp.training.flops import IterationFlops
+from megatron_pp.training.layered import all_weights
+from megatron_pp.training.metrics import MetricsLogger
+from megatron_pp.training.optimizer import LRSchedule, TrainingOptimizer
+from megatron_pp.training.pipeline import Pipeline
+from megatron_pp.training.signals import ExitConditions
+from megatron_pp.training.step import step_metrics, train_step
+from megatron_pp.training.step_data import TrainingData, evaluation_enabled
+
+
+@dataclass
+class Progress:
+    """Where training stands: completed iterations and the samples they consumed."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. --max-consecutive-nonfinite reached); raised on every rank in the same
+    iteration, with a one-line message."""
+
+
+@dataclass
+class Trainer:
+    """One rank's training job, assembled by `pretrain`."""
+
+    args: argparse.Namespace
+    pipe: Pipeline
+    data: TrainingData
+    optimizer: TrainingOptimizer
+    lr_schedule: LRSchedule
+    checkpoint: TrainingState
+    flops: IterationFlops
+    peak_tflops: Optional[float]
+    logger: Optional[MetricsLogger]
+    progress: Progress = field(default_factory=Progress)
+    last_saved: Optional[int] = None
+    traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    faults: FaultPlan = field(default_factory=lambda: FaultPlan([], 0, 1))
+    on_iteration: Optional[Callable[[dict], None]] = None
+    """Called on every rank with each training row (tools/soak.py samples memory through it)."""
+    nonfinite_streak: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+    pending_messages: list[str] = field(default_factory=list)
+    """Messages logged before the logger exists (it is opened only once the setup has succeeded)."""
+
+    @property
+    def state(self) -> ParallelState:
+        return self.pipe.state
+
+    def log(self, text: str) -> None:
+        if self.logger is not None:
+            self.logger.message(text)
+        elif self.state.rank == 0:
+            self.pending_messages.append(text)
+
+    def attach_logger(self, logger: Optional[MetricsLogger]) -> None:
+        self.logger = logger
+        if logger is not None:
+            for text in self.pending_messages:
+                logger.message(text)
+        self.pending_messages.clear()
+
+    def train_iteration(self) -> dict:
+        """One optimizer step on the next global batch; returns its metrics row (on every rank)."""
+        args, pipe, state = self.args, self.pipe, self.state
+        start = time.perf_counter()
+        microbatches = self.data.microbatches(self.data.train, self.progress.consumed_samples, state.dp_rank,
+                                              state.device)
+        iteration = self.progress.iteration + 1
+        lr = self.lr_schedule.learning_rate(iteration, self.progress.consumed_samples + args.global_batch_size)
+        result, tokens = train_step(pipe, microbatches, self.optimizer)
+        self.faults.after_backward(iteration, lambda: poison_first_gradient(self.optimizer.reducer.held_pieces()))
+        outcome = self.optimizer.step(lr)
+        metrics = step_metrics(pipe, result, tokens)
+        step_time = time.perf_counter() - start
+        self.progress.iteration += 1
+        self.progress.consumed_samples += args.global_batch_size
+        if args.trace_file:
+            self.traces.append(result.events)
+        tflops = self.flops.model / step_time / state.world_size / 1e12
+        hardware_tflops = self.flops.hardware / step_time / state.world_size / 1e12
+        return {
+            "iteration": self.progress.iteration,
+            "consumed_samples": self.progress.consumed_samples,
+            "loss": metrics.loss,
+            "grad_norm": outcome.grad_norm,
+            "lr": lr,
+            "global_batch_size": args.global_batch_size,
+            "loss_scale": 1.0 if outcome.loss_scale is None else outcome.loss_scale,  # 1.0: no loss scaling
+            "skipped": outcome.skipped,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "hfu": hardware_tflops / self.peak_tflops if self.peak_tflops else None,
+            "peak_stash_bytes": metrics.peak_stash_bytes,
+            "peak_memory_bytes": metrics.peak_memory_bytes,
+            "comm_wait_s": result.comm_wait_s,
+        }
+
+    def evaluate(self) -> dict:
+        """Validation loss over `--eval-iters` global batches (the same ones every time). Collective."""
+        args, state = self.args, self.state
+        start = time.perf_counter()
+        rng = capture_rng_state()
+        for chunk in self.pipe.chunks:
+            chunk.eval()
+        try:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            tokens = torch.zeros((), dtype=torch.float64)
+            with torch.no_grad(), all_weights(self.optimizer):
+                for e in range(args.eval_iters):
+                    batches = self.data.microbatches(self.data.valid, e * args.global_batch_size, state.dp_rank,
+                                                     state.device)
+                    result = self.pipe.executor.run(batches, loss_scale=1.0, forward_only=True)
+                    if result.loss_sum is not None:
+                        loss_sum += result.loss_sum.double().cpu()
+                        tokens += result.token_count.double().cpu()
+        finally:
+            for chunk in self.pipe.chunks:
+                chunk.train()
+            restore_rng_state(rng)
+        totals = torch.stack([loss_sum, tokens])
+        if state.dp_group is not None and state.dp_size > 1:
+            totals = comm.all_reduce(totals, group=state.dp_group)
+        # Only the ranks holding the last stage have the sums: a world max carries them to everyone.
+        carried = totals if self._holds_last_stage() else torch.full((2,), -math.inf, dtype=torch.float64)
+        carried = comm.all_reduce(carried, op="max")
+        loss = float(carried[0] / carried[1])
+        return {
+            "iteration": self.progress.iteration,
+            "consumed_samples": self.progress.consumed_samples,
+            "eval_loss": loss,
+            "eval_ppl": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": int(carried[1]),
+            "eval_time_s": time.perf_counter() - start,
+        }
+
+    def _holds_last_stage(self) -> bool:
+        return self.pipe.schedule.num_stages - 1 in self.pipe.stage_ids
+
+    def save(self) -> None:
+        args, iteration = self.args, self.progress.iteration
+        try:
+            with all_weights(self.optimizer), self.faults.during_save(iteration):
+                path = save_checkpoint(
+                    args.save, iteration, self.checkpoint,
+                    consumed_samples=self.progress.consumed_samples, save_optimizer=not args.no_save_optim,
+                    extra_metadata={"args": loggable_settings(vars(args))}, schedule_state=self.schedule_state(),
+                )
+        except CheckpointError as exc:  # agreed: every rank is here
+            if not getattr(args, "continue_on_save_failure", False):
+                raise
+            self.log(f"warning: checkpoint of iteration {iteration} not written ({exc}); training goes on "
+                     f"(--continue-on-save-failure); newest checkpoint: {_newest_checkpoint(args.save)}")
+            return
+        self.last_saved = iteration
+        self.log(f"saved checkpoint {path}")
+
+    def check_numerics(self, row: dict) -> Optional[str]:
+        """Non-finite steps and loss spikes of a training row (the same verdict on every rank: the loss
+        and the skip decision are agreed). Returns why training must stop, or None; marks spikes in
+        the row (`loss_spike`) and logs them."""
+        args, iteration, loss = self.args, row["iteration"], row["loss"]
+        # fp16 overflows are expected while the loss scale settles: the scaler skips and backs off.
+        if not math.isfinite(loss) or (row["skipped"] and not args.fp16):
+            self.nonfinite_streak += 1
+            limit = getattr(args, "max_consecutive_nonfinite", 1)
+            self.log(f"warning: iteration {iteration}: non-finite loss or gradient (loss {loss}), step skipped "
+                     f"({self.nonfinite_streak} consecutive, limit {limit})")
+            if self.nonfinite_streak >= limit:
+                return (f"iteration {iteration}: loss or gradients not finite for {self.nonfinite_streak} consecutive "
+                        f"step(s) (--max-consecutive-nonfinite {limit}); stopped without saving; newest checkpoint: "
+                        f"{_newest_checkpoint(args.save)}")
+            return None
+        self.nonfinite_streak = 0
+        factor = getattr(args, "loss_spike_factor", None)
+        if factor:
+            window = args.loss_spike_window
+            history = self.recent_losses
+            if len(history) >= max(2, window // 2):
+                median = statistics.median(history)
+                row["loss_spike"] = loss > factor * median
+                if row["loss_spike"]:
+                    self.log(f"warning: loss spike at iteration {iteration}: {loss:.4f} is {loss / median:.1f}x the "
+                             f"median {median:.4f} of the last {len(history)} losses (--loss-spike-factor {factor:g})")
+            else:
+                row["loss_spike"] = False
+            history.append(loss)
+            del history[:-window]
+        return None
+
+    def resume(self) -> None:
+        args = self.args
+        if args.load is None:
+            return
+        with all_weights(self.optimizer, write_back=True):
+            resumed = load_checkpoint(
+                args.load, self.checkpoint, load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
+                finetune=args.finetune, exit_on_missing=args.exit_on_missing_checkpoint,
+            )
+        if resumed is None:
+            self.log(f"no checkpoint in --load {args.load}: starting from scratch")
+            return
+        self.progress = Progress(resumed.iteration, resumed.consumed_samples)
+        self.last_saved = resumed.iteration if not args.finetune else None
+        self.load_schedule_state(resumed.schedule_state)
+        self.log(f"loaded checkpoint {resumed.path}: iteration {resumed.iteration}, "
+                 f"consumed samples {resumed.consumed_samples}")
+
+    def schedule_state(self) -> dict:
+        """What the schedule carries from one step to the next, saved in every rank's checkpoint file
+        (2BW: the older weight version, see `training.twobw`); nothing for flushed schedules."""
+        return {}
+
+    def load_schedule_state(self, state: dict) -> None:
+        """Take back what `schedule_state` saved, once the checkpoint's weights and optimizer are loaded."""
+
+    def _recorder(self, rows: list[dict]) -> Callable[..., None]:
+        """`record(row, evaluation=False)`: log a training or evaluation row and keep it in `rows` (on the
+        logging rank only)."""
+
+        def record(row: dict, evaluation: bool = False) -> None:
+            if self.logger is not None:
+                rows.append(row)
+                (self.logger.evaluation if evaluation else self.logger.train)(row)
+
+        return record
+
+    def run(self, exit_conditions: ExitConditions) -> list[dict]:
+        """Iterate to `--train-iters` or an early exit; returns the logging rank's rows."""
+        args = self.args
+        rows: list[dict] = []
+        record = self._recorder(rows)
+
+        last_eval: Optional[int] = None
+        stopped = False
+        while self.progress.iteration < args.train_iters:
+            row = self.train_iteration()
+            stop = self.check_numerics(row)
+            record(row)
+            if self.on_iteration is not None:
+                self.on_iteration(row)
+            if stop is not None:
+                raise TrainingStopped(stop)
+            iteration = self.progress.iteration
+            if evaluation_enabled(args) and iteration % args.eval_interval == 0:
+                record(self.evaluate(), evaluation=True)
+                last_eval = iteration
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                self.save()
+            reason = exit_conditions.check(iteration)
+            if reason is not None:
+                if args.save and self.last_saved != iteration:
+                    self.save()
+                self.log(f"exiting after iteration {iteration}: {reason}")
+                stopped = True
+                break
+        if not stopped:
+            if evaluation_enabled(args) and last_eval != self.progress.iteration:
+                record(self.evaluate(), evaluation=True)
+            if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
+                self.save()
+        if args.trace_file:
+            _gather_and_write_trace(args.trace_file, self.traces, self.state)
+        return rows
+
+
+def _newest_checkpoint(save: Optional[str]) -> str:
+    if not save:
+        return "none (no --save)"
+    try:
+        iteration = read_tracker(save)
+    except CheckpointError:
+        iteration = None
+    return f"iteration {iteration} in {save}" if iteration is not None else f"none in {save}"
+
+
+# Names of settings and environment variables that hold credentials (WANDB_API_KEY, HF tokens' *_SECRET...).
+_SECRET_NAME = re.compile(r"api[_-]?key|secret|password|passwd|credential|auth[_-]?token", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def loggable_settings(values: dict) -> dict:
+    """The plain values of `values` for metadata and logging sinks, with credentials redacted: a setting
+    whose name looks like one, or any string that contains the value of such an environment variable."""
+    secrets = [v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= 8]
+
+    def clean(key: str, value: Any) -> Any:
+        if _SECRET_NAME.search(key):
+            return REDACTED
+        if isinstance(value, str) and any(secret in value for secret in secrets):
+            return REDACTED
+        if isinstance(value, list):
+            return [REDACTED if isinstance(v, str) and any(s in v for s in secrets) else v for v in value]
+        return value
+
+    return {k: clean(k, v) for k, v in values.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+
+# Trace ------------------------------------------------------------------------------------------------
+
+
+def write_trace(path: str, events_by_rank: list[list[tuple[str, float, float]]]) -> None:
+    """Chrome-trace / Perfetto JSON: one process row per global rank, one slice per action."""
+    trace = []
+    for rank, events in enumerate(events_by_rank):
+        for label, start, end in events:
+            trace.append({"name": label, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": (end - start) * 1e6,
+                          "cat": label.split()[0].rstrip("0123456789.@<>")})
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+    os.replace(tmp, path)
+
+
+def _gather_and_write_trace(path: str, traces: list, state: ParallelState) -> None:
+    # Steps follow each other on the time axis: offset every step by the previous steps' durations.
+    events: list[tuple[str, float, float]] = []
+    offset = 0.0
+    for step_events in traces:
+        events += [(lbl, s + offset, e + offset) for lbl, s, e in step_events]
+        offset = events[-1][2] if events else offset
+    gathered = comm.all_gather_object(events)
+    if state.rank == 0:
+        write_trace(path, gathered)
