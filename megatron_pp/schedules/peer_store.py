@@ -31,6 +31,7 @@ without a GPU).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -288,6 +289,21 @@ class AcceptorStore(ActivationStore):
             self.peak_count = max(self.peak_count, self._own + len(self._guests))
 
 
+def check_acceptor_thread_is_safe(device: torch.device, environ: Optional[dict] = None) -> None:
+    """Refuse peer parking where the acceptor's service thread can hang the GPU (docs/gpu.md).
+
+    The thread issues its transfers on the pair's communicators in an order set by thread timing, beside
+    the main thread's pipeline transfers. With `CUDA_DEVICE_MAX_CONNECTIONS=1` (set by many Megatron-style
+    launch scripts for tensor-parallel overlap) every stream feeds one hardware queue, so a parked stash's
+    receive queued before a pipeline transfer that waits on the evicting rank stalls the whole device:
+    a cycle, and the job hangs."""
+    env = os.environ if environ is None else environ
+    if device.type == "cuda" and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError("BPipe peer parking (EVICT/LOAD in the schedule) cannot run with "
+                         "CUDA_DEVICE_MAX_CONNECTIONS=1: the partner's service thread could queue a transfer ahead "
+                         "of the pipeline's and hang the GPU; unset it for BPipe runs")
+
+
 def peer_store_for(schedule: Schedule, state) -> Optional[ActivationStore]:
     """The store this rank needs to run `schedule`: a `PeerStore` where it evicts, an `AcceptorStore`
     where it hosts, None otherwise (the executor's default store). `state` is the rank's
@@ -295,6 +311,7 @@ def peer_store_for(schedule: Schedule, state) -> Optional[ActivationStore]:
     pairs = parking_pairs(schedule)
     if not pairs:
         return None
+    check_acceptor_thread_is_safe(state.device)
     groups = state.pair_groups(pairs)
     me = state.pp_rank
     for x, y in pairs:

@@ -207,3 +207,14 @@ def test_bpipe_on_gpus_with_nccl_tracks_1f1b(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert losses["bpipe"] == pytest.approx(losses["1f1b"], rel=1e-5)
+
+
+def test_peer_parking_is_refused_where_its_thread_could_hang_the_gpu():
+    import torch
+
+    from megatron_pp.schedules.peer_store import check_acceptor_thread_is_safe
+
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        check_acceptor_thread_is_safe(torch.device("cuda", 0), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    check_acceptor_thread_is_safe(torch.device("cuda", 0), {})
+    check_acceptor_thread_is_safe(torch.device("cpu"), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
