@@ -53,7 +53,7 @@ from megatron_pp.training.pipeline import Pipeline, build_pipeline
 from megatron_pp.training.step import global_token_count, step_metrics, train_step
 from megatron_pp.training.step_data import MockSplit, build_config_and_data
 from megatron_pp.training.trainer import REDACTED, Trainer, TrainingStopped, loggable_settings
-from megatron_pp.training.twobw import TwoBWTrainer
+from megatron_pp.training.twobw import DeferredUpdateSteps
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer
 
 # The names programs and tests use from here; each lives in the module that does the job.
@@ -143,13 +143,14 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
         optimizer_sharded_by_dp=args.use_distributed_optimizer,
     )
     logger: Optional[MetricsLogger] = None
-    trainer_class = TwoBWTrainer if pipe.versions is not None else Trainer
-    trainer = trainer_class(args, pipe, data, optimizer, LRSchedule.from_args(args), checkpoint,
-                            flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
-                                                  recompute_granularity=recompute.granularity,
-                                                  recomputed_layers=_recomputed_layers(recompute, pipe)),
-                            peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=None,
-                            faults=FaultPlan.from_env(state.rank, state.world_size), on_iteration=on_iteration)
+    trainer = Trainer(args, pipe, data, optimizer, LRSchedule.from_args(args), checkpoint,
+                      flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
+                                            recompute_granularity=recompute.granularity,
+                                            recomputed_layers=_recomputed_layers(recompute, pipe)),
+                      peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=None,
+                      faults=FaultPlan.from_env(state.rank, state.world_size), on_iteration=on_iteration)
+    if pipe.versions is not None:  # lists with weight versions: steps overlap, the update is deferred
+        trainer.steps = DeferredUpdateSteps(trainer)
     try:
         trainer.log(
             f"megatron_pp: world {state.world_size} = tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "

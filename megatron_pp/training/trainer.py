@@ -3,7 +3,8 @@
 `Trainer.run` iterates to `--train-iters` or an early exit. After an iteration come, when due, a validation
 pass (`--eval-interval`), a checkpoint (`--save-interval`) and the early-exit check (signals,
 `--exit-interval`, `--exit-duration-in-mins`), which saves before stopping. The run also saves when
-training completes. PipeDream-2BW's loop (`training.twobw.TwoBWTrainer`) changes the iteration only.
+training completes. How iterations run is the step driver's: `FlushedSteps` here, and for schedules whose
+lists carry weight versions (PipeDream-2BW) `training.twobw.DeferredUpdateSteps`, which overlaps steps.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -77,6 +78,13 @@ class Trainer:
     recent_losses: list[float] = field(default_factory=list)
     pending_messages: list[str] = field(default_factory=list)
     """Messages logged before the logger exists (it is opened only once the setup has succeeded)."""
+    steps: Optional["StepDriver"] = None
+    """How iterations are run: `FlushedSteps` (default) or, for lists that carry weight versions,
+    `training.twobw.DeferredUpdateSteps` (`pretrain` picks it)."""
+
+    def __post_init__(self) -> None:
+        if self.steps is None:
+            self.steps = FlushedSteps(self)
 
     @property
     def state(self) -> ParallelState:
@@ -135,6 +143,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Validation loss over `--eval-iters` global batches (the same ones every time). Collective."""
+        self.steps.prepare_weights()
         args, state = self.args, self.state
         start = time.perf_counter()
         rng = capture_rng_state()
@@ -175,6 +184,7 @@ class Trainer:
         return self.pipe.schedule.num_stages - 1 in self.pipe.stage_ids
 
     def save(self) -> None:
+        self.steps.prepare_weights()
         args, iteration = self.args, self.progress.iteration
         try:
             with all_weights(self.optimizer), self.faults.during_save(iteration):
@@ -246,10 +256,11 @@ class Trainer:
     def schedule_state(self) -> dict:
         """What the schedule carries from one step to the next, saved in every rank's checkpoint file
         (2BW: the older weight version, see `training.twobw`); nothing for flushed schedules."""
-        return {}
+        return self.steps.schedule_state()
 
     def load_schedule_state(self, state: dict) -> None:
         """Take back what `schedule_state` saved, once the checkpoint's weights and optimizer are loaded."""
+        self.steps.load_schedule_state(state)
 
     def _recorder(self, rows: list[dict]) -> Callable[..., None]:
         """`record(row, evaluation=False)`: log a training or evaluation row and keep it in `rows` (on the
@@ -263,42 +274,104 @@ class Trainer:
         return record
 
     def run(self, exit_conditions: ExitConditions) -> list[dict]:
-        """Iterate to `--train-iters` or an early exit; returns the logging rank's rows."""
+        """Iterate to `--train-iters` or an early exit; returns the logging rank's rows.
+
+        The step driver runs the iterations. The loop tells it ahead which iterations end training,
+        evaluate or save (`flush`: a driver whose steps overlap, like 2BW's, ends such a call with nothing
+        in flight); a stop is agreed either before an iteration (a driver that learns it from earlier
+        metrics) or after it (`ExitConditions.check`, a collective)."""
         args = self.args
         rows: list[dict] = []
         record = self._recorder(rows)
 
         last_eval: Optional[int] = None
-        stopped = False
+        stop: Optional[str] = None
         while self.progress.iteration < args.train_iters:
-            row = self.train_iteration()
-            stop = self.check_numerics(row)
-            record(row)
-            if self.on_iteration is not None:
-                self.on_iteration(row)
-            if stop is not None:
-                raise TrainingStopped(stop)
-            iteration = self.progress.iteration
-            if evaluation_enabled(args) and iteration % args.eval_interval == 0:
+            iteration = self.progress.iteration + 1
+            evaluate = evaluation_enabled(args) and iteration % args.eval_interval == 0
+            save = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+            stop = self.steps.stop_before(iteration, exit_conditions)
+            flush = stop is not None or evaluate or save or iteration == args.train_iters
+            numerics: Optional[str] = None
+            for row in self.steps.advance(flush, exit_conditions):
+                # Every rank builds the same rows (agreed loss and skip decision), so every rank stops at
+                # the same row.
+                numerics = numerics or self.check_numerics(row)
+                record(row)
+                if self.on_iteration is not None:
+                    self.on_iteration(row)
+            if numerics is not None:
+                raise TrainingStopped(numerics)
+            if evaluate:
                 record(self.evaluate(), evaluation=True)
                 last_eval = iteration
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
+            if save:
                 self.save()
-            reason = exit_conditions.check(iteration)
-            if reason is not None:
+            if stop is None:
+                stop = self.steps.stop_after(iteration, exit_conditions)
+            if stop is not None:
                 if args.save and self.last_saved != iteration:
                     self.save()
-                self.log(f"exiting after iteration {iteration}: {reason}")
-                stopped = True
+                self.log(f"exiting after iteration {iteration}: {stop}")
                 break
-        if not stopped:
+        if stop is None:
             if evaluation_enabled(args) and last_eval != self.progress.iteration:
                 record(self.evaluate(), evaluation=True)
             if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
                 self.save()
         if args.trace_file:
-            _gather_and_write_trace(args.trace_file, self.traces, self.state)
+            self.steps.write_trace(args.trace_file)
         return rows
+
+
+class StepDriver(Protocol):
+    """How a `Trainer` runs iterations (see `Trainer.run`)."""
+
+    def advance(self, flush: bool, exit_conditions: ExitConditions) -> list[dict]:
+        """Run the next iteration; return the metrics rows it completed (every rank builds the same)."""
+
+    def stop_before(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
+        """An agreed reason to make `iteration` the last one, known before it runs."""
+
+    def stop_after(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
+        """An agreed reason to stop after `iteration` (may be collective)."""
+
+    def prepare_weights(self) -> None:
+        """Put the weights that evaluation and checkpoints see in place."""
+
+    def schedule_state(self) -> dict: ...
+
+    def load_schedule_state(self, state: dict) -> None: ...
+
+    def write_trace(self, path: str) -> None: ...
+
+
+class FlushedSteps:
+    """One flushed step per iteration (every schedule but those with weight versions)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def advance(self, flush: bool, exit_conditions: ExitConditions) -> list[dict]:
+        return [self.trainer.train_iteration()]
+
+    def stop_before(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
+        return None
+
+    def stop_after(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
+        return exit_conditions.check(iteration)
+
+    def prepare_weights(self) -> None:
+        pass
+
+    def schedule_state(self) -> dict:
+        return {}
+
+    def load_schedule_state(self, state: dict) -> None:
+        pass
+
+    def write_trace(self, path: str) -> None:
+        _gather_and_write_trace(path, self.trainer.traces, self.trainer.state)
 
 
 def _newest_checkpoint(save: Optional[str]) -> str:

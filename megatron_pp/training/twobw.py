@@ -1,7 +1,7 @@
-"""The training loop of PipeDream-2BW: one executor call per batch and no flush between calls.
+"""How PipeDream-2BW runs iterations: one executor call per batch and no flush between calls.
 
-`TwoBWTrainer` replaces `Trainer`'s iteration; evaluation, checkpoints and logging stay `Trainer`'s. What
-changes (docs/2bw.md):
+`DeferredUpdateSteps` is the `Trainer`'s step driver when the schedule's lists carry weight versions; the
+loop, evaluation, checkpoints and logging stay the `Trainer`'s. What changes (docs/2bw.md):
 
 - **Calls that span steps.** Call t runs this rank's segment of the step-spanning list
   (`schedules.twobw.StepPlan`): batch t's remaining forwards and all its backwards, the first p−s−1
@@ -38,8 +38,7 @@ from megatron_pp.training.checkpointing import CheckpointError
 from megatron_pp.training.metrics import take_peak_memory
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.step import global_token_count
-from megatron_pp.training.step_data import evaluation_enabled
-from megatron_pp.training.trainer import Trainer, TrainingStopped, write_trace
+from megatron_pp.training.trainer import Trainer, write_trace
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions
 
 
@@ -54,33 +53,38 @@ class _Call:
     """World sum of [loss sum, signal flag, time-up flag, peak stash bytes per stage, peak memory per stage]."""
 
 
-class TwoBWTrainer(Trainer):
-    """`Trainer` for `--pipeline-schedule 2bw` (module docstring)."""
+class DeferredUpdateSteps:
+    """The step driver of schedules with weight versions (module docstring)."""
 
-    optimizer: DelayedUpdateOptimizer
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self.pipe.versions is None:
-            raise ValueError("TwoBWTrainer needs a pipeline built with weight versions (--pipeline-schedule 2bw)")
-        self.versions: WeightVersions = self.pipe.versions
-        self.plan = build_plan(self.state.pp_size, self.data.num_microbatches)
-        batch_size = self.args.global_batch_size
-        self.optimizer.lr_of_batch = lambda t: self.lr_schedule.learning_rate(t + 1, (t + 1) * batch_size)
+    def __init__(self, trainer: Trainer) -> None:
+        if trainer.pipe.versions is None or not isinstance(trainer.optimizer, DelayedUpdateOptimizer):
+            raise ValueError("DeferredUpdateSteps needs a pipeline built with weight versions and a "
+                             "DelayedUpdateOptimizer (a schedule whose lists carry weight versions, e.g. 2bw)")
+        self.trainer = trainer
+        self.versions: WeightVersions = trainer.pipe.versions
+        self.optimizer: DelayedUpdateOptimizer = trainer.optimizer
+        self.plan = build_plan(trainer.state.pp_size, trainer.data.num_microbatches)
+        batch_size = trainer.args.global_batch_size
+        self.optimizer.lr_of_batch = lambda t: trainer.lr_schedule.learning_rate(t + 1, (t + 1) * batch_size)
         self._fresh = True  # the next call starts after a flush (or the start)
         self._loaded: dict[int, list[dict]] = {}  # batch -> this replica's microbatches
         self._calls: dict[int, _Call] = {}
         self._stop_flags = (False, False)  # agreed (signal, time up), from the metrics of finished batches
 
+    @property
+    def state(self):
+        return self.trainer.state
+
     # One call ---------------------------------------------------------------------------------------------
-    def train_call(self, flush: bool, exit_conditions: ExitConditions) -> list[dict]:
+    def advance(self, flush: bool, exit_conditions: ExitConditions) -> list[dict]:
         """Run the call of the next batch (ending in a flush if `flush`); returns the rows it completed."""
-        args, state, data = self.args, self.state, self.data
-        batch = self.progress.iteration
+        trainer = self.trainer
+        args, state, data = trainer.args, self.state, trainer.data
+        batch = trainer.progress.iteration
         m = data.num_microbatches
         for b in (batch,) if flush else (batch, batch + 1):
             if b not in self._loaded:
-                first = self.progress.consumed_samples + (b - batch) * args.global_batch_size
+                first = trainer.progress.consumed_samples + (b - batch) * args.global_batch_size
                 self._loaded[b] = data.microbatches(data.train, first, state.dp_rank, state.device)
         microbatches = {b * m + i: mb for b, mbs in self._loaded.items() for i, mb in enumerate(mbs)}
         tokens = global_token_count(self._loaded[batch], state)
@@ -88,16 +92,16 @@ class TwoBWTrainer(Trainer):
         self.optimizer.reducer.start_step(m)
         segment = self.plan.segment(CallKind.of(self._fresh, flush), state.pp_rank, batch)
         start, wall = time.perf_counter(), time.time()
-        result = self.pipe.executor.run(microbatches, loss_scale=multiplier / tokens, segment=segment)
+        result = trainer.pipe.executor.run(microbatches, loss_scale=multiplier / tokens, segment=segment)
         self.optimizer.finish_batch(batch)
         elapsed = time.perf_counter() - start
         del self._loaded[batch]
         self._fresh = flush
         self._calls[batch] = _Call(tokens, elapsed, result.comm_wait_s, self._start_metrics(result, exit_conditions))
         if args.trace_file:  # calls overlap across ranks: keep wall-clock times, comparable between ranks
-            self.traces.append([(label, wall + s, wall + e) for label, s, e in result.events])
-        self.progress.iteration += 1
-        self.progress.consumed_samples += args.global_batch_size
+            trainer.traces.append([(label, wall + s, wall + e) for label, s, e in result.events])
+        trainer.progress.iteration += 1
+        trainer.progress.consumed_samples += args.global_batch_size
         return [self._row(b) for b in sorted(self.optimizer.outcomes)]
 
     def _start_metrics(self, result: StepResult, exit_conditions: ExitConditions) -> PendingCollective:
@@ -116,14 +120,15 @@ class TwoBWTrainer(Trainer):
 
     def _row(self, batch: int) -> dict:
         """The metrics row of `batch` (iteration batch+1), once its update ran (every rank builds it)."""
-        args, state = self.args, self.state
+        trainer = self.trainer
+        args, state = trainer.args, self.state
         outcome, lr = self.optimizer.outcomes.pop(batch)
         call = self._calls.pop(batch)
         values = call.metrics.wait().tolist()
         pp = state.pp_size
         self._stop_flags = (self._stop_flags[0] or values[1] > 0, self._stop_flags[1] or values[2] > 0)
-        tflops = self.flops.model / call.time_s / state.world_size / 1e12
-        hardware_tflops = self.flops.hardware / call.time_s / state.world_size / 1e12
+        tflops = trainer.flops.model / call.time_s / state.world_size / 1e12
+        hardware_tflops = trainer.flops.hardware / call.time_s / state.world_size / 1e12
         return {
             "iteration": batch + 1,
             "consumed_samples": (batch + 1) * args.global_batch_size,
@@ -136,82 +141,40 @@ class TwoBWTrainer(Trainer):
             "step_time_s": call.time_s,
             "tokens_per_s": call.tokens / call.time_s,
             "tflops_per_gpu": tflops,
-            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
-            "hfu": hardware_tflops / self.peak_tflops if self.peak_tflops else None,
+            "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None,
+            "hfu": hardware_tflops / trainer.peak_tflops if trainer.peak_tflops else None,
             "peak_stash_bytes": [int(v) for v in values[3:3 + pp]],
             "peak_memory_bytes": [int(v) for v in values[3 + pp:]] if state.device.type == "cuda" else None,
             "comm_wait_s": call.comm_wait_s,
         }
 
-    # The loop ---------------------------------------------------------------------------------------------
-    def run(self, exit_conditions: ExitConditions) -> list[dict]:
-        """As `Trainer.run`, with flushes planned before the iterations that need them."""
-        args = self.args
-        rows: list[dict] = []
-        record = self._recorder(rows)
+    # Between calls -------------------------------------------------------------------------------------
+    def stop_before(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
+        # The signal and time flags ride on the metrics all-reduce: agreed one call late, no barrier.
+        return exit_conditions.reason(*self._stop_flags, iteration)
 
-        last_eval: Optional[int] = None
-        stop: Optional[str] = None
-        while self.progress.iteration < args.train_iters:
-            iteration = self.progress.iteration + 1
-            evaluate = evaluation_enabled(args) and iteration % args.eval_interval == 0
-            save = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
-            stop = exit_conditions.reason(*self._stop_flags, iteration)
-            flush = stop is not None or evaluate or save or iteration == args.train_iters
-            numerics: Optional[str] = None
-            for row in self.train_call(flush, exit_conditions):
-                # Every rank builds the same rows (agreed loss and skip decision), so every rank stops in
-                # the same call; microbatches still in flight are dropped with the process, unsaved.
-                numerics = numerics or self.check_numerics(row)
-                record(row)
-                if self.on_iteration is not None:
-                    self.on_iteration(row)
-            if numerics is not None:
-                raise TrainingStopped(numerics)
-            if evaluate:
-                record(self.evaluate(), evaluation=True)
-                last_eval = iteration
-            if save:
-                self.save()
-            if stop is not None:
-                if args.save and self.last_saved != iteration:
-                    self.save()
-                self.log(f"exiting after iteration {iteration}: {stop}")
-                break
-        if stop is None:
-            if evaluation_enabled(args) and last_eval != self.progress.iteration:
-                record(self.evaluate(), evaluation=True)
-            if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
-                self.save()
-        if args.trace_file:
-            self._write_trace(args.trace_file)
-        return rows
+    def stop_after(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
+        return None
 
-    def _write_trace(self, path: str) -> None:
-        events = [event for call in self.traces for event in call]
+    def write_trace(self, path: str) -> None:
+        events = [event for call in self.trainer.traces for event in call]
         gathered = comm.all_gather_object(events)
         if self.state.rank == 0:
             origin = min((start for rank in gathered for _, start, _ in rank), default=0.0)
             write_trace(path, [[(label, s - origin, e - origin) for label, s, e in rank] for rank in gathered])
 
-    # Between flushed steps --------------------------------------------------------------------------------
-    def evaluate(self) -> dict:
-        self.versions.use(self.versions.newest)
-        return super().evaluate()
-
-    def save(self) -> None:
-        self.versions.use(self.versions.newest)  # the model files hold the newest weights
-        super().save()
+    def prepare_weights(self) -> None:
+        self.versions.use(self.versions.newest)  # evaluation and the model files see the newest weights
 
     def schedule_state(self) -> dict:
         if not self.optimizer.flushed or not self._fresh:
             raise RuntimeError("2BW checkpoint requested between unflushed steps")
-        next_batch = self.progress.iteration
+        next_batch = self.trainer.progress.iteration
         return {"two_bw": {"next_batch": next_batch, "older_weights": self.versions.older(),
                            **self.optimizer.position_state(next_batch)}}
 
     def load_schedule_state(self, state: dict) -> None:
-        next_batch = self.progress.iteration
+        next_batch = self.trainer.progress.iteration
         saved = state.get("two_bw")
         if saved is not None and saved["next_batch"] != next_batch:
             raise CheckpointError(f"2BW schedule state is for batch {saved['next_batch']}, the checkpoint for "
@@ -219,5 +182,5 @@ class TwoBWTrainer(Trainer):
         # Without it (weights from another schedule or a conversion) both versions start equal, as at step 0.
         self.versions.restore(next_batch + 1, saved["older_weights"] if saved is not None else None)
         self.optimizer.restore_position(next_batch, saved,
-                                        main_loaded=not (self.args.no_load_optim or self.args.finetune))
+                                        main_loaded=not (self.trainer.args.no_load_optim or self.trainer.args.finetune))
         self._fresh = True

@@ -176,7 +176,7 @@ class _PendingBatch:
 class DelayedUpdateOptimizer:
     """2BW's optimizer: one optimizer state, the update of batch t deferred to STEP@(t+2) (module docstring).
 
-    Per call of the executor (`training.twobw.TwoBWTrainer`): `begin_batch(t)` gives the loss multiplier,
+    Per call of the executor (`training.twobw.DeferredUpdateSteps`): `begin_batch(t)` gives the loss multiplier,
     `reducer.start_step(m)`, the executor runs (its STEPs call the update), then `finish_batch(t)`.
     `outcomes[t]` is the result of batch t's update once it ran. `state_dict` (only between flushed
     steps) has the same layout as `TrainingOptimizer`'s, so checkpoints move between 2BW and other
