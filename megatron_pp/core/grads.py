@@ -26,7 +26,9 @@ pipeline rank hold the same shard of it.
 
 Gradient norms accumulate squares in fp64, so the norm does not depend (beyond 1e-15) on how the
 gradient is cut into tensors, shards and ranks: every layout and the distributed optimizer clip by the
-same factor as one process would.
+same factor as one process would. All of a step's tensors go through one multi-tensor norm kernel
+(`squared_norms_fp64`) and one stacked sum, with no host synchronisation; the step's single
+synchronisation is reading the (flag, sum of squares) pair after the world all-reduce.
 
 `finalize_gradients` is the plain synchronous path (the same sums on `.grad`, after the backward), kept
 as the simple reference the reducer is tested against.
@@ -88,13 +90,34 @@ def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup) -> None
         offset += t.numel()
 
 
+def squared_norms_fp64(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Sum of squares of each group of tensors, accumulated in fp64, as an fp64 vector `[len(groups)]`.
+
+    Every tensor is cut into views of at most `_NORM_CHUNK` elements (a kernel that upcasts makes a
+    temporary fp64 copy of its input on some backends), all views of all groups go through one
+    `torch._foreach_norm` (one multi-tensor kernel on CUDA instead of three launches per tensor), and
+    the squared norms are summed per group from one stacked vector. No host synchronisation.
+    Compared with accumulating tensor by tensor, only the fp64 summation order changes (relative
+    difference of order 1e-16 per term).
+    """
+    pieces: list[torch.Tensor] = []
+    sizes: list[int] = []
+    device = None
+    for group in groups:
+        before = len(pieces)
+        for t in group:
+            device = t.device
+            pieces.extend(t.detach().reshape(-1).split(_NORM_CHUNK))
+        sizes.append(len(pieces) - before)
+    if not pieces:
+        return torch.zeros(len(groups), dtype=torch.float64, device=device)
+    squares = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square()
+    return torch.stack([part.sum() for part in squares.split(sizes)])
+
+
 def squared_norm_fp64(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of `t` as an fp64 scalar, accumulated in fp64 a chunk at a time."""
-    flat = t.detach().reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for start in range(0, flat.numel(), _NORM_CHUNK):
-        total += torch.linalg.vector_norm(flat[start : start + _NORM_CHUNK], dtype=torch.float64).square()
-    return total
+    """Sum of squares of `t` as an fp64 scalar (see `squared_norms_fp64`)."""
+    return squared_norms_fp64([[t]])[0]
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -133,10 +156,8 @@ def finalize_gradients(modules: Sequence[nn.Module], state: ParallelState) -> No
 
 def global_grad_norm(modules: Sequence[nn.Module], state: ParallelState) -> float:
     """L2 norm of the full model's `.grad` across tp x pp after `finalize_gradients` (dp replicas agree)."""
-    total = torch.zeros((), dtype=torch.float64, device=state.device)
-    for p in unique_parameters(modules):
-        if p.grad is not None and counts_once_in_model(p, state):
-            total += squared_norm_fp64(p.grad)
+    grads = [p.grad for p in unique_parameters(modules) if p.grad is not None and counts_once_in_model(p, state)]
+    total = squared_norms_fp64([grads])[0].to(state.device)
     if state.mp_group is not None and _group_size(state.mp_group) > 1:
         dist.all_reduce(total, group=state.mp_group)
     return math.sqrt(float(total))
@@ -241,6 +262,7 @@ class GradientReducer:
                 self._views[id(p)] = bucket.grad[offset : offset + p.numel()].view_as(p)
                 self._bucket_of[id(p)] = bucket
         self._pieces = self._make_pieces()
+        self._norm_views = self._make_norm_views()
         self._sequence_parallel_grads = [g.grad for g in self._pieces if getattr(g.param, "sequence_parallel", False)]
         embedding_ids = {id(p) for p in self._embedding_params}
         self._embedding_grads = [g.grad for g in self._pieces if id(g.param) in embedding_ids]
@@ -308,6 +330,26 @@ class GradientReducer:
                 if start < end:
                     pieces.append(GradPiece(p, bucket, start, start - offset, end - offset, bucket.grad[start:end]))
         return pieces
+
+    def _make_norm_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(what this rank's norm counts, the rest) as views of the buckets: adjacent pieces on the
+        same side merge into one view, so the norm kernel sees a few long tensors, not every parameter.
+        Each parameter counts once over tp x pp x dp (see `counts_once_in_model`; without the
+        distributed optimizer dp replicas are identical and only dp rank 0 counts)."""
+        state = self.state
+        sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        runs: list[tuple[int, GradBucket, int, int]] = []  # (side, bucket, start, end) in bucket offsets
+        for piece in self._pieces:
+            counts = counts_once_in_model(piece.param, state) and (self.distributed_optimizer or state.dp_rank == 0)
+            side = 0 if counts else 1
+            start, end = piece.bucket_offset, piece.bucket_offset + piece.grad.numel()
+            if runs and runs[-1][0] == side and runs[-1][1] is piece.bucket and runs[-1][3] == start:
+                runs[-1] = (side, piece.bucket, runs[-1][2], end)
+            else:
+                runs.append((side, piece.bucket, start, end))
+        for side, bucket, start, end in runs:
+            sides[side].append(bucket.grad[start:end])
+        return sides
 
     @property
     def embedding_params(self) -> list[nn.Parameter]:
@@ -409,23 +451,13 @@ class GradientReducer:
     def norm_and_found_inf(self) -> tuple[float, bool]:
         """(L2 norm of the full model's reduced gradient, whether any rank holds an inf or NaN).
 
-        Each parameter counts once over tp x pp x dp (see `counts_once_in_model`; without the
-        distributed optimizer dp replicas are identical and only dp rank 0 counts). One all-reduce over
-        the world carries both the fp64 sum of squares and an overflow flag, so every rank reaches the
-        same skip decision.
+        Each parameter counts once over tp x pp x dp (see `_make_norm_views`). One all-reduce over the
+        world carries both the fp64 sum of squares and an overflow flag, so every rank reaches the same
+        skip decision; reading it back is the step's one host synchronisation.
         """
         if not self.grads_reduced:
             raise RuntimeError("gradient norm before finish(): the gradients are not reduced yet")
-        state = self.state
-        device = self.buckets[0].grad.device
-        sumsq = torch.zeros((), dtype=torch.float64, device=device)
-        rest = torch.zeros((), dtype=torch.float64, device=device)  # uncounted copies may overflow too
-        for piece in self._pieces:
-            counts = counts_once_in_model(piece.param, state) and (self.distributed_optimizer or state.dp_rank == 0)
-            if counts:
-                sumsq += squared_norm_fp64(piece.grad)
-            else:
-                rest += squared_norm_fp64(piece.grad)
+        sumsq, rest = squared_norms_fp64(self._norm_views)  # uncounted copies may overflow too
         stats = torch.stack([(~torch.isfinite(sumsq + rest)).double(), sumsq])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
