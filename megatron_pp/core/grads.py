@@ -11,9 +11,12 @@ model on the full global batch, in this order (Megatron-LM's):
    is summed over the embedding group, so both copies step identically.
 
 `GradientReducer` is the training path. It gives every parameter a slot in a flat fp32 gradient buffer,
-split into buckets of about `bucket_bytes`; autograd accumulates into the slots (fp32 parameters use
-their slot as `.grad`, lower-precision ones are added in by a hook, so gradients always accumulate in
-fp32). Each parameter's post-accumulate-grad hook counts its contributions: with m microbatches a
+split into buckets of about `bucket_bytes`; gradients always accumulate in fp32, into the slots. fp32
+parameters use their slot as `.grad`, so autograd adds in place. Lower-precision ones carry their slot
+as `param.main_grad`: the linear layers add their weight gradient there themselves, in fp32
+(`tensor_parallel.layers.add_to_main_grad`), and report it through `param.main_grad_added()`; the
+others' bf16/fp16 `.grad` is added in by a hook. Each parameter's contributions are counted (by its
+post-accumulate-grad hook, or by `main_grad_added`): with m microbatches a
 parameter held by k local chunks receives exactly k * m of them, the last during its chunk's last
 backward. When every parameter of a bucket is complete the bucket's data-parallel sum starts
 asynchronously (`overlap=True`), while the backward of earlier layers and other microbatches goes on.
@@ -35,6 +38,7 @@ as the simple reference the reducer is tested against.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -272,12 +276,21 @@ class GradientReducer:
         # Kept so that `close()` can remove them: a hook holds the reducer, which holds the parameters, so
         # without removal a model and its buffers outlive their job in a process that trains again.
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for _, p in order]
+        self._low_precision = [p for _, p in order if p.dtype != GRAD_DTYPE]
+        for p in self._low_precision:
+            p.main_grad = self._views[id(p)]
+            p.main_grad_added = functools.partial(self._on_main_grad_added, p)
 
     def close(self) -> None:
-        """Detach from the parameters (remove the gradient hooks). The reducer is unusable afterwards."""
+        """Detach from the parameters (remove the gradient hooks and main gradients). The reducer is
+        unusable afterwards."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        for p in self._low_precision:
+            if getattr(p, "main_grad", None) is self._views[id(p)]:  # not since taken over by another reducer
+                del p.main_grad, p.main_grad_added
+        self._low_precision.clear()
 
     # Layout -----------------------------------------------------------------------------------------------
     def _make_buckets(
@@ -386,16 +399,31 @@ class GradientReducer:
         self.grads_reduced = False
 
     def _on_grad_accumulated(self, p: nn.Parameter) -> None:
-        key = id(p)
-        if not self._step_open:
-            raise RuntimeError(
-                "a gradient arrived outside a step: call GradientReducer.start_step() before the backward"
-            )
-        view = self._views[key]
+        if p.grad is None:
+            # Autograd got no gradient for `p` (PyTorch still runs the hook): a layer added it to
+            # `p.main_grad` itself and has counted it through `main_grad_added`.
+            return
+        self._check_step_open()
+        view = self._views[id(p)]
         if p.grad.data_ptr() != view.data_ptr():
             # A low-precision gradient (or a `.grad` someone reset): fold it into the fp32 slot.
             view.add_(p.grad)
             p.grad = view if p.dtype == GRAD_DTYPE else None
+        self._count(p)
+
+    def _on_main_grad_added(self, p: nn.Parameter) -> None:
+        """A layer added its contribution to `p.main_grad` (the slot) itself."""
+        self._check_step_open()
+        self._count(p)
+
+    def _check_step_open(self) -> None:
+        if not self._step_open:
+            raise RuntimeError(
+                "a gradient arrived outside a step: call GradientReducer.start_step() before the backward"
+            )
+
+    def _count(self, p: nn.Parameter) -> None:
+        key = id(p)
         self._arrived[key] += 1
         if self._arrived[key] > self._expected[key]:
             raise RuntimeError(
