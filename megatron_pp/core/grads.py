@@ -56,10 +56,12 @@ from megatron_pp.core.tensor_parallel.utils import (
 
 DEFAULT_BUCKET_BYTES = 40 * 1024 * 1024
 GRAD_DTYPE = torch.float32  # gradients accumulate and are reduced in fp32 whatever the model's dtype
-# Elements per fp64 norm. The CPU kernel upcasts its input to a temporary fp64 copy: at 2^16 elements
-# (512 KiB) it stays in cache, and a 40 MiB bucket is ~150 pieces (8x faster than 2^22-element pieces
-# on CPU). CUDA's multi-tensor kernel reads fp32 directly and splits its work at this size anyway.
-_NORM_CHUNK = 1 << 16
+# Elements per fp64 norm. The CPU kernel upcasts its input to a temporary fp64 copy, which at 2^16
+# elements (512 KiB) stays in cache (8x faster than 2^22 on a 4.8M-element buffer, on a quiet machine).
+# Elsewhere 2^22 bounds the copy a non-multi-tensor fallback would make while keeping the list short
+# (CUDA's multi-tensor kernel reads fp32 directly; each view is a Python object per step).
+_NORM_CHUNK = 1 << 22
+_NORM_CHUNK_CPU = 1 << 16
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -100,7 +102,7 @@ def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup) -> None
 def squared_norms_fp64(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """Sum of squares of each group of tensors, accumulated in fp64, as an fp64 vector `[len(groups)]`.
 
-    Every tensor is cut into views of at most `_NORM_CHUNK` elements (see there), all views of all
+    Every tensor is cut into views of at most `_NORM_CHUNK(_CPU)` elements (see there), all views of all
     groups go through one `torch._foreach_norm` (one multi-tensor kernel on CUDA instead of three
     launches per tensor), and the squared norms are summed per group from one stacked vector. No host
     synchronisation.
@@ -114,7 +116,7 @@ def squared_norms_fp64(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor
         before = len(pieces)
         for t in group:
             device = t.device
-            pieces.extend(t.detach().reshape(-1).split(_NORM_CHUNK))
+            pieces.extend(t.detach().reshape(-1).split(_NORM_CHUNK_CPU if device.type == "cpu" else _NORM_CHUNK))
         sizes.append(len(pieces) - before)
     if not pieces:
         return torch.zeros(len(groups), dtype=torch.float64, device=device)

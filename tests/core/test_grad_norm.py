@@ -20,18 +20,21 @@ from megatron_pp.models.presets import get_preset
 from megatron_pp.models.transformer import build_model
 
 
+CHUNK = 1 << 22  # the loop's chunk
+
+
 def loop_reference(tensors) -> float:
     """The norm as computed before: one fp64 reduction per chunk of every tensor, accumulated in order."""
     total = torch.zeros((), dtype=torch.float64)
     for t in tensors:
         flat = t.detach().reshape(-1)
-        for start in range(0, flat.numel(), grads._NORM_CHUNK):
-            total += torch.linalg.vector_norm(flat[start : start + grads._NORM_CHUNK], dtype=torch.float64).square()
+        for start in range(0, flat.numel(), CHUNK):
+            total += torch.linalg.vector_norm(flat[start : start + CHUNK], dtype=torch.float64).square()
     return float(total)
 
 
 def test_matches_the_per_tensor_loop(monkeypatch):
-    monkeypatch.setattr(grads, "_NORM_CHUNK", 1000)  # so the big tensors are cut into chunks
+    monkeypatch.setattr(grads, "_NORM_CHUNK_CPU", 1000)  # so the big tensors are cut into chunks
     g = torch.Generator().manual_seed(0)
     counted = [torch.randn(3, 5000, generator=g), torch.randn(7, generator=g), torch.randn(1, generator=g)]
     rest = [torch.randn(2500, generator=g).to(torch.bfloat16), torch.randn(4, 4, generator=g) * 1e3]

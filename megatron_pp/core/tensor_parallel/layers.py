@@ -113,23 +113,23 @@ def gather_tensor(
 
 
 @functools.lru_cache(maxsize=None)
-def _has_fp32_output_matmul(device_type: str) -> bool:
-    """Whether `torch.mm(bf16, bf16, out_dtype=torch.float32)` runs on this device type (CUDA, recent
-    PyTorch): a bf16 GEMM with fp32 accumulation and an fp32 result."""
+def _has_fp32_output_matmul(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` with `dtype` inputs runs on this device type
+    (CUDA, recent PyTorch): a low-precision GEMM with fp32 accumulation and an fp32 result."""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
 
 def folds_into_main_grad(weight: torch.Tensor) -> bool:
-    """Whether a layer owning `weight` adds its gradient into `weight.main_grad` itself: on CPU (where
-    fp32 matmuls of upcast inputs are the fast ones anyway) and where fp32-output bf16 GEMMs exist; a
-    GPU without them keeps the bf16 gradient, as an fp32 GEMM there would cost far more than the fold."""
+    """Whether a layer owning `weight` adds its gradient into `weight.main_grad` itself: on CPU (an fp32
+    product of the upcast inputs) and where fp32-output low-precision GEMMs exist; a GPU without them
+    keeps the bf16/fp16 gradient, as an fp32 GEMM there would cost far more than the fold saves."""
     if getattr(weight, "main_grad", None) is None:
         return False
-    return weight.device.type == "cpu" or _has_fp32_output_matmul(weight.device.type)
+    return weight.device.type == "cpu" or _has_fp32_output_matmul(weight.device.type, weight.dtype)
 
 
 def add_to_main_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
