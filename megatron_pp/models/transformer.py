@@ -51,7 +51,6 @@ from megatron_pp.core.tensor_parallel import (
     mark_replicated,
     param_is_partitioned,
     scatter_to_sequence_parallel_region,
-    shard_tensor,
     tp_rank,
     tp_size,
     vocab_parallel_cross_entropy,

@@ -83,7 +83,8 @@ def test_gradient_outside_a_step_is_refused_and_close_detaches():
     model, batches = bf16_model("llama-tiny")
     reducer = GradientReducer([model], ParallelState.build(), overlap=False)
     weight = model.layers["0"].mlp.linear_fc1.weight
-    assert weight.main_grad.dtype == torch.float32 and weight.main_grad.data_ptr() == reducer.grad_view(weight).data_ptr()
+    assert weight.main_grad.dtype == torch.float32
+    assert weight.main_grad.data_ptr() == reducer.grad_view(weight).data_ptr()
     with pytest.raises(RuntimeError, match="outside a step"):
         backward(model, batches[0])
     reducer.close()
