@@ -56,12 +56,13 @@ from megatron_pp.core.tensor_parallel.utils import (
 
 DEFAULT_BUCKET_BYTES = 40 * 1024 * 1024
 GRAD_DTYPE = torch.float32  # gradients accumulate and are reduced in fp32 whatever the model's dtype
-# Elements per fp64 norm. The CPU kernel upcasts its input to a temporary fp64 copy, which at 2^14
-# elements (128 KiB) stays in a core's L2 even on a busy host (2^22-element pieces ran up to 8x slower).
+# Elements per fp64 norm. The CPU kernel upcasts its input to a temporary fp64 copy: at 2^13 elements
+# (64 KiB) it stays in cache and below glibc's 128 KiB mmap threshold (at 2^14 some processes paid
+# ~10 page faults per piece; 2^22-element pieces ran up to 8x slower).
 # Elsewhere 2^22 bounds the copy a non-multi-tensor fallback would make while keeping the list short
 # (CUDA's multi-tensor kernel reads fp32 directly; each view is a Python object per step).
 _NORM_CHUNK = 1 << 22
-_NORM_CHUNK_CPU = 1 << 14
+_NORM_CHUNK_CPU = 1 << 13
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
