@@ -12,9 +12,10 @@ sequence parallelism. Matrices are split over the tensor-parallel group Megatron
 column-parallel, the attention output projection and fc2 row-parallel, the vocabulary split across ranks
 for the embedding, the output layer and the cross-entropy.
 
-Initialisation does not depend on the layout: `init_stage_weights` draws every parameter's full tensor
-from a generator seeded by (seed, parameter name) and keeps this rank's slice, so tp=1, tp=4, a 2-stage
-pipeline or an interleaved one all start from bit-identical weights.
+Initialisation does not depend on the layout: every parameter's full tensor is defined by a generator
+seeded by (seed, parameter name), and `init_stage_weights` gives each rank exactly its slice of it
+(drawing only that slice), so tp=1, tp=4, a 2-stage pipeline or an interleaved one all start from
+bit-identical weights.
 
 Activation recomputation (`RecomputeConfig`, Megatron's `--recompute-*` flags) trades compute for
 memory: a checkpointed span keeps only its inputs for the backward, which reruns it. It uses
@@ -26,6 +27,7 @@ restored for the rerun (`checkpoint_with_rng`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -49,7 +51,6 @@ from megatron_pp.core.tensor_parallel import (
     mark_replicated,
     param_is_partitioned,
     scatter_to_sequence_parallel_region,
-    shard_tensor,
     tp_rank,
     tp_size,
     vocab_parallel_cross_entropy,
@@ -70,6 +71,10 @@ class Norm(nn.Module):
     Weights are replicated on every TP rank. Under sequence parallelism each rank normalises only its
     rows, so its weight gradient is a partial sum: the parameters are tagged `sequence_parallel` and the
     training code sums their gradients over the TP group.
+
+    With a bf16/fp16 input, autograd through the fp32 computation would keep the fp32 upcast of the
+    input (4 bytes per element, twice the input itself) until the backward; `_LowPrecisionNorm` keeps
+    only the input and recomputes the rest in the backward.
     """
 
     def __init__(self, config: TransformerConfig, sequence_parallel: bool, device: Optional[torch.device]):
@@ -86,12 +91,43 @@ class Norm(nn.Module):
             param.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.weight.shape
-        if self.bias is None:
-            y = F.rms_norm(x.float(), shape, self.weight.float(), self.eps)
-        else:
-            y = F.layer_norm(x.float(), shape, self.weight.float(), self.bias.float(), self.eps)
-        return y.to(x.dtype)
+        if x.dtype != torch.float32 and torch.is_grad_enabled():
+            return _LowPrecisionNorm.apply(x, self.weight, self.bias, self.eps)
+        return norm_fp32(x, self.weight, self.bias, self.eps)
+
+
+def norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """RMSNorm (`bias` None) or LayerNorm of `x` over its last dim in fp32, returned in `x`'s dtype."""
+    if bias is None:
+        y = F.rms_norm(x.float(), weight.shape, weight.float(), eps)
+    else:
+        y = F.layer_norm(x.float(), weight.shape, weight.float(), bias.float(), eps)
+    return y.to(x.dtype)
+
+
+class _LowPrecisionNorm(torch.autograd.Function):
+    """`norm_fp32` that saves only its (bf16/fp16) input and parameters.
+
+    The backward rebuilds the very same fp32 graph from them and differentiates it, so its gradients
+    are bit-identical to autograd through `norm_fp32`; the fp32 upcast lives only inside the backward.
+    Recomputing a norm is one read of the input, small beside the matmuls around it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight, bias)
+        return norm_fp32(x, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inputs = [None if t is None else t.detach().requires_grad_(need)
+                  for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        with torch.enable_grad():
+            y = norm_fp32(*inputs, ctx.eps)
+        found = iter(torch.autograd.grad(y, wanted, grad))
+        return (*(next(found) if t is not None and t.requires_grad else None for t in inputs), None)
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> Rotary:
@@ -103,10 +139,53 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> Ro
 
 def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     """Rotate `[s, b, heads, d]` pairs (x_i, x_{i+d/2}) by RoPE's angles (the "rotate half" convention of
-    Hugging Face's LLaMA, so converted checkpoints need no permutation of q and k)."""
+    Hugging Face's LLaMA, so converted checkpoints need no permutation of q and k).
+
+    A rotation's backward is the rotation by the opposite angle, so `_Rotary` runs one function each way
+    (about nine elementwise kernels op by op, one after `use_fused_rotary`) and keeps only cos and sin.
+    """
     cos, sin = rotary
+    if torch.is_grad_enabled() and not (cos.requires_grad or sin.requires_grad):
+        return _Rotary.apply(x, cos, sin)
+    return rotate(x, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation of `x` by the angles whose cos and sin are given, computed in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+_rotate_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = rotate
+"""What `_Rotary` runs, forward and backward: `rotate` op by op, or one fused kernel after
+`use_fused_rotary()`."""
+
+
+def use_fused_rotary(enabled: bool = True) -> None:
+    """Run RoPE's rotation as one `torch.compile`-generated kernel each way instead of about nine.
+
+    Compilation happens lazily, on the first rotation (seconds, once per process and shape). The fused
+    kernel may contract multiply-adds, so its results can differ from the op-by-op path in the last bit
+    of fp32; the op-by-op path (the default, and what the CPU tests run) matches the plain autograd
+    formula exactly.
+    """
+    global _rotate_kernel
+    _rotate_kernel = torch.compile(rotate, dynamic=None) if enabled else rotate
+
+
+class _Rotary(torch.autograd.Function):
+    """`rotate(x, cos, sin)`, saving only cos and sin: the gradient is `rotate(grad, cos, -sin)`, which
+    is bit-identical to what autograd derives from `rotate` (negating a product is exact)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate_kernel(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate_kernel(grad, cos, -sin), None, None
 
 
 def hidden_dropout(
@@ -548,37 +627,176 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def initial_value(config: TransformerConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The full (unsharded) fp32 initial value of parameter `name`, on CPU.
-
-    Megatron's rules: biases zero, norm scales one, weights normal(0, init_method_std), except the two
-    projections that write into the residual stream (attention output, fc2), scaled by 1/sqrt(2 * layers)
-    so the residual's variance does not grow with depth.
-    """
+def _init_rule(config: TransformerConfig, name: str) -> float | str:
+    """"zeros", "ones", or the std of the normal init of parameter `name` (see `initial_value`)."""
     if name.endswith(".bias"):
-        return torch.zeros(shape)
+        return "zeros"
     if "layernorm" in name:
-        return torch.ones(shape)
+        return "ones"
     std = config.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std /= math.sqrt(2.0 * config.num_layers)
+    return std
+
+
+def initial_value(config: TransformerConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full (unsharded) fp32 initial value of parameter `name`, on CPU: the definition every layout
+    takes its slice of.
+
+    Megatron's rules: biases zero, norm scales one, weights normal(0, init_method_std), except the two
+    projections that write into the residual stream (attention output, fc2), scaled by 1/sqrt(2 * layers)
+    so the residual's variance does not grow with depth. The normal draws come from a CPU generator
+    seeded by `parameter_seed(seed, name)`.
+    """
+    rule = _init_rule(config, name)
+    if rule == "zeros":
+        return torch.zeros(shape)
+    if rule == "ones":
+        return torch.ones(shape)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return torch.empty(shape).normal_(0.0, rule, generator=generator)
+
+
+def initial_shard(
+    config: TransformerConfig, name: str, full_shape: tuple[int, ...], seed: int,
+    partition: Optional[tuple[int, int]] = None, rank: int = 0, size: int = 1,
+) -> torch.Tensor:
+    """This TP rank's slice of `initial_value(config, name, full_shape, seed)`, equal to it bit for bit
+    (`shard_tensor` of it for a `partition` `(dim, stride)`), without drawing the other ranks' values
+    or materialising the full tensor; fp32 on CPU."""
+    ranges = _shard_ranges(full_shape, partition, rank, size)
+    shard_shape = list(full_shape)
+    if partition is not None:
+        shard_shape[partition[0]] //= size
+    rule = _init_rule(config, name)
+    if rule in ("zeros", "ones"):
+        return (torch.zeros if rule == "zeros" else torch.ones)(shard_shape)
+    values = _normal_ranges(parameter_seed(seed, name), math.prod(full_shape), rule, ranges)
+    return values.view(shard_shape)
+
+
+def _shard_ranges(
+    full_shape: tuple[int, ...], partition: Optional[tuple[int, int]], rank: int, size: int
+) -> list[tuple[int, int]]:
+    """The `[start, end)` ranges of the flattened full tensor that make up a shard, in the shard's order
+    (`shard_tensor`'s layout: every block of `stride` gives each rank a contiguous run of rows)."""
+    numel = math.prod(full_shape)
+    if partition is None or size == 1:
+        return [(0, numel)]
+    dim, stride = partition
+    rows, inner = full_shape[dim], math.prod(full_shape[dim + 1 :])
+    outer = math.prod(full_shape[:dim])
+    block, piece = rows // stride, rows // (stride * size)
+    ranges = []
+    for o in range(outer):
+        for j in range(stride):
+            first = o * rows + j * block + rank * piece
+            ranges.append((first * inner, (first + piece) * inner))
+    return ranges
+
+
+# torch's CPU normal_ for a contiguous fp32 tensor of n >= 16 elements draws n uniforms (one 32-bit
+# Mersenne-twister output each), turns each aligned group of 16 into 16 normals (Box-Muller on pairs
+# i, i+8), and, when 16 does not divide n, draws 16 more uniforms for the last 16 elements. So any
+# 16-aligned run of the body can be drawn alone once the generator has skipped the draws before it;
+# `_skipping_reproduces_normal` checks this on the running torch and a mismatch falls back to drawing
+# the full tensor.
+_GROUP = 16
+_SKIP_CHUNK = 1 << 20
+
+
+def _skip_draws(generator: torch.Generator, count: int) -> None:
+    """Advance `generator` by `count` 32-bit draws (an int64 draw takes two, an int32 draw one)."""
+    scratch = torch.empty(min(count // 2, _SKIP_CHUNK), dtype=torch.int64)
+    left = count // 2
+    while left:
+        n = min(left, _SKIP_CHUNK)
+        scratch[:n].random_(generator=generator)
+        left -= n
+    if count % 2:
+        torch.empty(1, dtype=torch.int32).random_(generator=generator)
+
+
+def _draw_normal_ranges(seed: int, numel: int, std: float, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    out = torch.empty(sum(end - start for start, end in ranges))
+    generator = torch.Generator().manual_seed(seed)
+    body_end = numel - _GROUP if numel % _GROUP else numel  # the last 16 are redrawn after the body
+    segments: list[list[int]] = []  # 16-aligned runs of the body to draw, merged where they touch
+    for start, end in ranges:
+        if start < min(end, body_end):
+            lo, hi = start // _GROUP * _GROUP, -(-min(end, body_end) // _GROUP) * _GROUP
+            if segments and lo <= segments[-1][1]:
+                segments[-1][1] = max(segments[-1][1], hi)
+            else:
+                segments.append([lo, hi])
+    drawn: list[tuple[int, torch.Tensor]] = []
+    position = 0
+    for lo, hi in segments:
+        _skip_draws(generator, lo - position)
+        drawn.append((lo, torch.empty(hi - lo).normal_(0.0, std, generator=generator)))
+        position = hi
+    tail = None
+    if any(end > body_end for _, end in ranges):
+        _skip_draws(generator, numel - position)
+        tail = torch.empty(_GROUP).normal_(0.0, std, generator=generator)  # elements [numel - 16, numel)
+    offset, k = 0, 0
+    for start, end in ranges:
+        body = min(end, body_end)
+        if start < body:
+            while drawn[k][0] + drawn[k][1].numel() < body:
+                k += 1
+            lo, values = drawn[k]
+            out[offset : offset + body - start] = values[start - lo : body - lo]
+            offset += body - start
+        if end > body_end:
+            first = max(start, body_end)
+            out[offset : offset + end - first] = tail[first - (numel - _GROUP) : end - (numel - _GROUP)]
+            offset += end - first
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _skipping_reproduces_normal() -> bool:
+    cases = [(77, [(0, 5), (21, 40), (60, 77)]), (96, [(16, 48), (50, 51)]), (40, [(3, 9), (30, 40)])]
+    for numel, ranges in cases:
+        full = torch.empty(numel).normal_(0.0, 1.0, generator=torch.Generator().manual_seed(7))
+        expected = torch.cat([full[a:b] for a, b in ranges])
+        if not torch.equal(_draw_normal_ranges(7, numel, 1.0, ranges), expected):
+            return False
+    return True
+
+
+def _normal_ranges(seed: int, numel: int, std: float, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Elements `ranges` (ascending, disjoint) of `torch.empty(numel).normal_(0, std, generator)` with
+    the generator seeded `seed`, concatenated: bit-identical, at the cost of the draws up to the last
+    range (skipped draws are about half the price of normal ones) and of only the ranges' memory."""
+    if numel < _GROUP or not _skipping_reproduces_normal():
+        full = torch.empty(numel).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+        return torch.cat([full[a:b] for a, b in ranges])
+    return _draw_normal_ranges(seed, numel, std, ranges)
 
 
 @torch.no_grad()
 def init_stage_weights(model: StageModel, seed: int) -> None:
-    """Set every parameter to its slice of the layout-independent initial value (see `initial_value`)."""
+    """Set every parameter to its slice of the layout-independent initial value (see `initial_value`).
+
+    Constant parameters are filled where they live; normal ones draw only this rank's elements
+    (`initial_shard`) on CPU, the only place the defining generator runs, and are copied once.
+    """
     size, rank = tp_size(model.tp_group), tp_rank(model.tp_group)
     for name, param in model.named_parameters():
-        if param_is_partitioned(param):
+        rule = _init_rule(model.config, name)
+        if rule == "zeros":
+            param.zero_()
+        elif rule == "ones":
+            param.fill_(1.0)
+        elif param_is_partitioned(param):
             full_shape = list(param.shape)
             full_shape[param.partition_dim] *= size
-            full = initial_value(model.config, name, tuple(full_shape), seed)
-            value = shard_tensor(full, param.partition_dim, param.partition_stride, rank, size)
+            partition = (param.partition_dim, param.partition_stride)
+            param.copy_(initial_shard(model.config, name, tuple(full_shape), seed, partition, rank, size))
         else:
-            value = initial_value(model.config, name, tuple(param.shape), seed)
-        param.copy_(value)
+            param.copy_(initial_shard(model.config, name, tuple(param.shape), seed))
 
 
 def full_named_parameters(stage_models: Iterable[StageModel], *, grads: bool = False) -> dict[str, torch.Tensor]:

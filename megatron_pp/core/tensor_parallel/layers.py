@@ -12,6 +12,7 @@ conversion, gradient-norm computation and tests can find the full tensor again w
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -102,24 +103,70 @@ def gather_tensor(
 # Linear layers ----------------------------------------------------------------------------------------
 
 
-class _ColumnParallelLinearFunction(torch.autograd.Function):
-    """`y = x_full W^T + b` with W split by output rows, saving only this rank's input.
+# Weight gradients straight into an fp32 main gradient ------------------------------------------------------
+
+# A low-precision parameter whose gradient a `GradientReducer` accumulates carries `main_grad` (its fp32
+# slot) and `main_grad_added()` (tells the reducer one contribution has arrived). The linear layers add
+# their weight gradient there themselves, in fp32, instead of handing autograd a bf16 gradient that the
+# reducer would then fold in: one fewer weight-sized bf16 tensor and add per microbatch, and no bf16
+# rounding of each microbatch's contribution.
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp32_output_matmul(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` with `dtype` inputs runs on this device type
+    (CUDA, recent PyTorch): a low-precision GEMM with fp32 accumulation and an fp32 result."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def folds_into_main_grad(weight: torch.Tensor) -> bool:
+    """Whether a layer owning `weight` adds its gradient into `weight.main_grad` itself: on CPU (an fp32
+    product of the upcast inputs) and where fp32-output low-precision GEMMs exist; a GPU without them
+    keeps the bf16/fp16 gradient, as an fp32 GEMM there would cost far more than the fold saves."""
+    if getattr(weight, "main_grad", None) is None:
+        return False
+    return weight.device.type == "cpu" or _has_fp32_output_matmul(weight.device.type, weight.dtype)
+
+
+def add_to_main_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """`weight.main_grad += grad_out^T x` (summed over all leading dims) in fp32, then tell its owner."""
+    g = grad_out.reshape(-1, grad_out.size(-1))
+    i = x.reshape(-1, x.size(-1))
+    if weight.device.type == "cpu":
+        weight.main_grad.addmm_(g.t().float(), i.float())
+    else:
+        weight.main_grad.add_(torch.mm(g.t(), i, out_dtype=torch.float32))
+    weight.main_grad_added()
+
+
+# Linear layers ----------------------------------------------------------------------------------------
+
+
+class _LinearFunction(torch.autograd.Function):
+    """`y = x_full W^T + b` for this rank's rows W of a weight, saving only this rank's input.
 
     The input is either replicated (`[s, b, h]` on every rank) or sequence-parallel (`[s/tp, b, h]`,
     all-gathered along dim 0 here). In the sequence-parallel case only the shard is saved and the gather
     is repeated in backward: saving the gathered input would cost tp times the activation memory of the
     layer's input. Backward starts the input-gradient reduction (all-reduce, or reduce-scatter with
-    sequence parallelism) before computing the weight gradient, so the two overlap.
+    sequence parallelism) before computing the weight gradient, so the two overlap. With a group of one
+    (or None) it is a plain linear layer, used as such to add the weight gradient into `main_grad`
+    (`fold`, see `folds_into_main_grad`).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: ProcessGroup,
-                sequence_parallel: bool) -> torch.Tensor:
+                sequence_parallel: bool, fold: bool = False) -> torch.Tensor:
         total = all_gather(x, 0, group) if sequence_parallel else x
         ctx.save_for_backward(x, weight)
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
+        ctx.main_grad_owner = weight if fold else None
         return F.linear(total, weight, bias)
 
     @staticmethod
@@ -139,10 +186,13 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         grad_weight = None
         if need_weight:
             total = gathering.wait() if gathering is not None else x
-            grad_weight = grad_out.reshape(-1, grad_out.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
+            if ctx.main_grad_owner is not None:
+                add_to_main_grad(ctx.main_grad_owner, grad_out, total)
+            else:
+                grad_weight = grad_out.reshape(-1, grad_out.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
         grad_bias = grad_out.sum(dim=tuple(range(grad_out.dim() - 1))) if ctx.has_bias and need_bias else None
         grad_input = reducing.wait() if reducing is not None else None
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def column_parallel_linear(
@@ -152,13 +202,17 @@ def column_parallel_linear(
     tp_group: Optional[ProcessGroup],
     *,
     sequence_parallel: bool = False,
+    owns_weight: bool = False,
 ) -> torch.Tensor:
     """The product of `ColumnParallelLinear` with a weight owned elsewhere (e.g. a tied output layer that
     uses the word embedding's vocabulary shard `[V/tp, h]`): `[s, b, h]` (or `[s/tp, b, h]` with
-    `sequence_parallel`) -> this rank's `[s, b, out/tp]`, saving only the sequence shard for backward."""
-    if tp_size(tp_group) == 1:
+    `sequence_parallel`) -> this rank's `[s, b, out/tp]`, saving only the sequence shard for backward.
+    `owns_weight`: this product is the weight's only use, so its gradient may go straight into
+    `main_grad` (a tied weight also gets the embedding's gradient through autograd)."""
+    fold = owns_weight and folds_into_main_grad(weight)
+    if tp_size(tp_group) == 1 and not fold:
         return F.linear(x, weight, bias)
-    return _ColumnParallelLinearFunction.apply(x, weight, bias, tp_group, sequence_parallel)
+    return _LinearFunction.apply(x, weight, bias, tp_group, sequence_parallel, fold)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -210,7 +264,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, sequence_parallel=self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, sequence_parallel=self.sequence_parallel,
+                                   owns_weight=True)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -264,7 +319,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        if folds_into_main_grad(self.weight):
+            partial = _LinearFunction.apply(x, self.weight, None, None, False, True)
+        else:
+            partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
