@@ -402,13 +402,12 @@ def _at_least(args: argparse.Namespace, names: Sequence[str], minimum: float) ->
             for n in names if getattr(args, n) is not None and getattr(args, n) < minimum]
 
 
-def _check_parallel_and_batch(args: argparse.Namespace) -> list[str]:
+def _check_parallel_and_batch(args: argparse.Namespace, world: int) -> list[str]:
     errors = _at_least(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
                               "global_batch_size"), 1)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    world = _world_size()
     if tp >= 1 and pp >= 1:
         if world % (tp * pp) != 0:
             errors.append(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -583,7 +582,7 @@ def _check_sharding(args: argparse.Namespace) -> list[str]:
 
 
 def _check_schedule(args: argparse.Namespace) -> list[str]:
-    from megatron_pp.schedules.registry import list_schedules, options_from_args
+    from megatron_pp.schedules.registry import get_schedule, list_schedules, options_from_args
 
     known = list_schedules()
     if args.pipeline_schedule not in known:
@@ -592,6 +591,14 @@ def _check_schedule(args: argparse.Namespace) -> list[str]:
         options_from_args(args, args.pipeline_schedule)
     except ValueError as exc:
         return [str(exc)]
+    # 2BW's deferred update (training/weight_versions.py) keeps whole fp32 main weights and gradients per
+    # stage; said here so the refusal comes before the model is built, not from the optimizer's constructor.
+    if get_schedule(args.pipeline_schedule).name == "2bw":
+        sharded = ["--use-distributed-optimizer"] if args.use_distributed_optimizer else []
+        if args.data_parallel_sharding_strategy != "no_shard":
+            sharded.append(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}")
+        return [f"--pipeline-schedule 2bw keeps whole fp32 main weights and gradients per stage: {s} is not "
+                "supported with it" for s in sharded]
     return []
 
 
@@ -630,9 +637,11 @@ def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[Transfor
     return errors, config
 
 
-def validate_args(args: argparse.Namespace) -> list[str]:
-    """Every problem with the arguments, one line each (empty list: fine). Reads no data, builds nothing."""
-    errors = _check_parallel_and_batch(args)
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> list[str]:
+    """Every problem with the arguments, one line each (empty list: fine). Reads no data, builds nothing.
+
+    `world_size` stands in for the launcher's (tools that check a configuration for another job size)."""
+    errors = _check_parallel_and_batch(args, _world_size() if world_size is None else world_size)
     errors += _check_length_and_lr(args)
     errors += _check_optimizer_and_precision(args)
     errors += _check_recompute(args)
