@@ -1,7 +1,7 @@
 """The planner: every parallel layout, microbatch size, recomputation and registered schedule of a job,
 what fits in GPU memory, and how fast each one runs (PipeDream-2BW's Algorithm 1, generalised).
 
-PipeDream-2BW (Narayanan et al., ICML 2021, §3.1 and Appendix A; SCHEDULES.md §5.2) plans a job by
+PipeDream-2BW (Narayanan et al., ICML 2021, arXiv 2006.09503, §3.1 and Appendix A) plans a job by
 brute force: for every width × depth split of the GPUs, take the largest microbatch and recompute flag
 that fit memory, predict throughput with a closed-form cost model, keep the best. This module searches a
 larger space and replaces both closed forms by the repository's own models:

@@ -365,7 +365,8 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
 
 
 def formula_speedup(est: Estimate, b0: int, r0: str, b1: int, r1: str, bpipe1: bool = True) -> Optional[float]:
-    """SCHEDULES.md §3.3's estimate S = [(m0+p−1)/(m0+f(p−1))]·[MFU1(b1)/MFU1(b0)]·[r0/r1] from the
+    """S = [(m0+p−1)/(m0+f(p−1))]·[MFU1(b1)/MFU1(b0)]·[r0/r1] (our form of the MFU-based estimate of the
+    re-evaluation, arXiv 2401.02088; docs/schedules.md, "Formulas and their sources") from the
     single-stage curves only (no simulation): what the re-evaluation proposes to compute in advance."""
     c0, c1 = _candidate(est, b0, r0, False), _candidate(est, b1, r1, bpipe1)
     if c0 is None or c1 is None:
@@ -425,7 +426,7 @@ def _cells(*values: Optional[tuple[int, int]]) -> dict:
     return dict(zip(PIPEOFFLOAD_METHODS, values))
 
 
-# Figure 15 (MFU %, activation GB; SCHEDULES.md §2.6, read from a figure). None = OOM / not run / SKIP.
+# PipeOffload's Figure 15 (arXiv 2503.01328; MFU %, activation GB, read from a figure). None = OOM / not run / SKIP.
 FIGURE_15 = {
     ("10.5b", 4096): _cells((65, 15), (65, 13), (63, 8), (59, 3), None, (57, 12)),
     ("10.5b", 8192): _cells((68, 30), (68, 27), (65, 16), (61, 6), None, (59, 24)),
@@ -550,7 +551,7 @@ def predict_pipeoffload(hardware: str = "a100-80gb", cells: Optional[Sequence[tu
                                        relative_error(ratio, published_ratio)))
     report.notes.append("Cells where 1F1B-I has no published result (OOM at 16k) use the uncalibrated roofline "
                         f"(matmul efficiency {hw.matmul_efficiency}).")
-    report.notes.append("Figure 15's cells are read from a figure (SCHEDULES.md §2.6); single cells are "
+    report.notes.append("Figure 15's cells are read from a figure (arXiv 2503.01328); single cells are "
                         "indicative. The paper recomputes LayerNorm/GeLU/dropout in its offloading runs "
                         "(34 → 20·s·b·h bytes per layer), which planning.memory does not model.")
     return report

@@ -2,7 +2,8 @@
 
 All of them place stage c·p + r on (rank r, chunk c), as Megatron's interleaved 1F1B does, and split each
 backward into BI (input gradient, sent upstream at once) and BW (weight gradient) with BW right after
-its BI, so a stash lives from its F to its BW and no weight gradient is left waiting (SCHEDULES.md §2.3).
+its BI, so a stash lives from its F to its BW and no weight gradient is left waiting (PipeOffload, arXiv
+2503.01328, §3 and Table 1).
 
 * **Group-interleaved (`gis`, ⌈p/2⌉ ≤ g ≤ p, g ≥ 2).** Forwards take microbatches in groups of g, chunk by
   chunk inside a group (`generators.group_order`); backwards use the same order on the reversed chunk.
