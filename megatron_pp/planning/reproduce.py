@@ -406,14 +406,15 @@ def predict_bpipe_reeval(hardware: str = "a100-80gb", efficiency_file: Optional[
                      f"{best:.2f}× ({est.best_bpipe.label()} vs {est.best_plain.label()})")
         formula = formula_speedup(est, s0.micro_batch, s0.recompute, s1.micro_batch, s1.recompute)
         verdict = "agrees" if agrees(best if best != math.inf else 10.0) else "disagrees"
-        formula_text = f"; §3.3 formula {formula:.2f}×" if formula else ""
+        formula_text = f"; S formula {formula:.2f}×" if formula else ""
         report.rows.append(Row(f"{label}: BPipe speedup", published,
                                f"config pair {pair}; best-vs-best {best_text} ({verdict}){formula_text}"))
         curve = ", ".join(f"b={b} {100 * layers.layer_times(b).mfu(hw.peak_tflops):.0f}%" for b in (1, 2, 4))
         report.rows.append(Row(f"{label}: single-layer MFU(b) without recompute", "no published figure used here",
                                curve))
-    report.notes.append("Finding (iv), the MFU-based estimate, is the §3.3 formula column; it uses only "
-                        "single-stage times and the bubble term, and is compared with the simulated speedup.")
+    report.notes.append("Finding (iv), the MFU-based estimate, is the S formula column (our form of it, "
+                        "docs/schedules.md); it uses only single-stage times and the bubble term, and is compared "
+                        "with the simulated speedup.")
     return report
 
 

@@ -20,9 +20,9 @@ its BI, so a stash lives from its F to its BW and no weight gradient is left wai
   divide p, and further shifts of 3 keep the v forwards (and the v backwards) of one rank on distinct
   slots modulo I. Each rank's list is every microbatch's block actions sorted by their block time. A
   chunk's stash then lives about 3·(p·v − stage) slots, proportional to how early the stage comes, so
-  offloading the first chunks saves far more than their share (better than linear, §2.2); unoffloaded
-  rank 0 holds about p·(v+1)/2 stashes, like GIS-H (p=8, v=4: 20, exactly GIS-H's g·(v−1) + p; p=4,
-  v=4: 12 against GIS-H's 10, the ring-closing shifts lengthen every lifespan a little).
+  offloading the first chunks saves far more than their share (better than linear: PipeOffload, Figs. 2
+  and 3); unoffloaded rank 0 holds about p·(v+1)/2 stashes, like GIS-H (p=8, v=4: 20, exactly GIS-H's
+  g·(v−1) + p; p=4, v=4: 12 against GIS-H's 10, the ring-closing shifts lengthen every lifespan a little).
 
 p=4, m=8, v=2 (GIS, g=4; warm-up 7, 6, 5, 4):
 

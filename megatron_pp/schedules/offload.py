@@ -285,5 +285,5 @@ def offload_time_from_k(k: float, forward_share: float = 1.0 / 3.0) -> float:
 
 
 def full_offload_is_free(k: float) -> bool:
-    """PO-F hides every copy behind compute iff k ≤ 1 (§2.1); PO-H needs about k ≤ 2."""
+    """PO-F hides every copy behind compute iff k ≤ 1 (arXiv 2503.01328, Eq. 1); PO-H needs about k ≤ 2 (ours)."""
     return k <= 1.0
