@@ -464,6 +464,10 @@ class Planner:
             sizes = [b for b in range(1, min(self.max_micro_batch_size, per_replica) + 1) if per_replica % b == 0]
             for zero in sorted({z and dp > 1 for z in self.distributed_optimizer}):
                 for entry in entries:
+                    if zero and entry.name == "2bw":
+                        # Its deferred update keeps whole fp32 main weights per stage: validate_args refuses
+                        # --use-distributed-optimizer with it, so the row could not be launched.
+                        continue
                     for v, options in self.variants(entry, pp):
                         for b in sizes:
                             for r in recompute:
