@@ -6,8 +6,8 @@ of full offload on one device.
         --layers 4 --copy-mb 64 --json runs/bench_offload_cpu.json          # CPU: only a smoke test
 
 1. Bandwidth: one-way device-to-host and host-to-device copy rate into pinned host memory (the PCIe
-   number SCHEDULES.md §2.1 calls B_o; never the duplex sum), median over `--repeats` copies. On a CPU-only
-   machine this is a host-to-host copy, reported as such: it says nothing about PCIe.
+   number Eq. 1 of PipeOffload, arXiv 2503.01328, calls B_o; never the duplex sum), median over `--repeats`
+   copies. On a CPU-only machine this is a host-to-host copy, reported as such: it says nothing about PCIe.
 2. k for every (hidden, seq): one LLaMA-shaped layer (RMSNorm, SwiGLU, RoPE, grouped-query attention),
    micro-batch 1, bf16 on GPU and fp32 on CPU. Measured F+B time t and saved bytes S (the activation
    store's count) give k = 2·S / B_D2H / t; the same layer's achieved FLOP/s B_c = 12·s·h·(6h + s) / t

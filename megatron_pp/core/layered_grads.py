@@ -1,7 +1,7 @@
 """Layered gradient accumulation: data-parallel reductions launched per model chunk when the schedule says.
 
 `GradientReducer` starts a bucket's reduction when its hooks have counted every contribution of the
-step. Under layered accumulation (SCHEDULES.md §4.2) the schedule states the point instead: its
+step. Under layered accumulation (arXiv 2106.02679) the schedule states the point instead: its
 `REDUCE_GRAD.c` action comes right after chunk c's last backward of a breadth-first group, and the
 executor calls `reduce_chunk(c)` there. That launches, asynchronously and in bucket order, every bucket
 *owned* by chunk c, i.e. whose parameters are completed by chunk c's backward (a bucket never spans

@@ -1,7 +1,7 @@
 """Should BPipe be turned on for this job? Memory per stage with and without it, what fits, how fast.
 
 Under 1F1B with flush, stage `s` of `p` holds `min(p − s, m)` stashes (one per in-flight microbatch):
-`p` on stage 0, one on the last stage. BPipe (SCHEDULES.md §3, `schedules/bpipe.py`) pairs stage `x`
+`p` on stage 0, one on the last stage. BPipe (Kim et al., ICML 2023; `schedules/bpipe.py`) pairs stage `x`
 with `p − 1 − x` and keeps at most `K` stashes resident on a stage between its actions (default
 `⌈(p + 2)/2⌉`): an evictor parks the excess on its partner. Counted as the executor holds them, an
 evicting stage peaks at `K + 1` (the forward that exceeds the bound) and its partner at its own plus the
@@ -63,7 +63,7 @@ answers move with it."""
 
 
 def one_f_one_b_stashes(p: int, m: int) -> list[int]:
-    """Peak stashes per stage under 1F1B with flush: `min(p − s, m)` (SCHEDULES.md §1)."""
+    """Peak stashes per stage under 1F1B with flush: `min(p − s, m)` (PipeDream-Flush, arXiv 2006.09503)."""
     return [min(p - s, m) for s in range(p)]
 
 

@@ -1,7 +1,7 @@
 """The planner: every parallel layout, microbatch size, recomputation and registered schedule of a job,
 what fits in GPU memory, and how fast each one runs (PipeDream-2BW's Algorithm 1, generalised).
 
-PipeDream-2BW (Narayanan et al., ICML 2021, §3.1 and Appendix A; SCHEDULES.md §5.2) plans a job by
+PipeDream-2BW (Narayanan et al., ICML 2021, arXiv 2006.09503, §3.1 and Appendix A) plans a job by
 brute force: for every width × depth split of the GPUs, take the largest microbatch and recompute flag
 that fit memory, predict throughput with a closed-form cost model, keep the best. This module searches a
 larger space and replaces both closed forms by the repository's own models:
@@ -113,6 +113,7 @@ from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule
 from megatron_pp.schedules.offload import OffloadWarning
 from megatron_pp.schedules.registry import (ScheduleEntry, build_schedule, get_schedule, registered_schedules,
                                            schedule_options)
+from megatron_pp.schedules.runtime import runtime_needs
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 from megatron_pp.schedules.validate import validate
 from megatron_pp.training.flops import iteration_flops
@@ -456,6 +457,17 @@ class Planner:
                 out.append((v, ()))
         return out
 
+    def carries_weight_versions(self, entry: ScheduleEntry, pp: int) -> bool:
+        """Whether `entry`'s lists carry weight versions (a fact of its lists, as the trainer reads it)."""
+        key = ("versions", entry.name, pp)
+        if key not in self._per_stage:
+            try:
+                schedule = build_schedule(entry.name, pp, 2 * pp, 2 if entry.supports_virtual else 1)
+                self._per_stage[key] = runtime_needs(schedule).weight_versions
+            except Exception:  # noqa: BLE001 - a plugin may fail any way; its configurations are skipped later
+                self._per_stage[key] = False
+        return self._per_stage[key]
+
     def configurations(self) -> Iterator[Configuration]:
         """The search space, each configuration after those that dominate it (same everything, fewer
         offloaded chunks and no more recomputation, or the reverse: see `plan`)."""
@@ -466,6 +478,10 @@ class Planner:
             sizes = [b for b in range(1, min(self.max_micro_batch_size, per_replica) + 1) if per_replica % b == 0]
             for zero in sorted({z and dp > 1 for z in self.distributed_optimizer}):
                 for entry in entries:
+                    if zero and self.carries_weight_versions(entry, pp):
+                        # A deferred update (2BW) keeps whole fp32 main weights per stage: validate_args refuses
+                        # --use-distributed-optimizer with it, so the row could not be launched.
+                        continue
                     for v, options in self.variants(entry, pp):
                         for b in sizes:
                             for r in recompute:

@@ -13,7 +13,7 @@ simulator (`schedules.simulate`) replaying the very lists `--pipeline-schedule N
 from `planning.memory` (saved activations per stage, weights, gradients, optimizer state) and the
 simulated stash curves. Each row prints the prediction next to the published figure with the relative
 error `(predicted − published) / published`; a published range counts as error 0 inside it and as the
-distance to its nearer end outside. Where a paper gives no number in our spec the row says so.
+distance to its nearer end outside. Where no number is taken from the paper the row says so.
 
 **Small scale.** A tiny GPT runs with the real executor on a local gloo world (`core.local_world`), one
 training step per schedule; the executor's `ActivationStore` reports each rank's peak of resident stash
@@ -83,7 +83,7 @@ class Row:
 
     claim: str
     published: str
-    """The paper's figure as text, or why there is none ('not published in our spec')."""
+    """The paper's figure as text, or why there is none ('no published figure used here')."""
     predicted: str
     error: Optional[float] = None
 
@@ -300,7 +300,7 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
               f"(launch/hardware/{hardware}.yaml)")
     report = PaperReport(
         "bpipe", "BPipe, GPT-3 96B / 134B on 48 A100-80GB (Kim et al., ICML 2023)",
-        f"no absolute figure in our spec, so layer times are {source}; nothing is fitted to BPipe. Memory: "
+        f"no absolute figure taken from the paper, so layer times are {source}; nothing is fitted to BPipe. Memory: "
         "planning.memory, Megatron bf16 numerics, 10% reserve.")
     for model in models:
         settings = {v: load_setting(f"bpipe_gpt3_{model}", v) for v in ("1f1b", "bpipe", "bpipe-mb2")}
@@ -312,7 +312,7 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
         report.notes += [w for w in est.warnings if w not in report.notes]
         for v, c in chosen.items():
             report.rows.append(Row(f"GPT-3 {model.upper()}, variant `{v}` of bpipe_gpt3_{model}.yaml",
-                                   "trained in the paper (settings not in our spec)", _describe(c)))
+                                   "trained in the paper (settings not taken from it)", _describe(c)))
         for v in ("bpipe", "bpipe-mb2"):
             a, b = chosen["1f1b"], chosen[v]
             if a is not None and b is not None and a.fits and b.fits:
@@ -351,12 +351,12 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
             ratio = max(sim.peak_bytes) / (base.pp * stash[0])
             report.rows.append(Row(
                 f"GPT-3 {model.upper()}: worst-stage activation, BPipe / 1F1B (b=1, no recompute)",
-                "not published in our spec (mechanism bound ⌈(p+2)/2⌉/p = "
+                "no published figure used here (mechanism bound ⌈(p+2)/2⌉/p = "
                 f"{math.ceil((base.pp + 2) / 2)}/{base.pp})",
                 f"{ratio:.2f} (simulated stash bytes; {max(sim.peak_bytes) / GB:.1f} vs "
                 f"{base.pp * stash[0] / GB:.1f} GB)"))
     report.notes.append("Model shapes, layout (tp 4 × pp 12), global batch and the baseline's recompute are "
-                        "assumed (see the configs); the paper's per-setting table is not in our spec, so each "
+                        "assumed (see the configs); the paper's per-setting table is not used here, so each "
                         "speedup is compared with the published range only.")
     return report
 
@@ -365,7 +365,8 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
 
 
 def formula_speedup(est: Estimate, b0: int, r0: str, b1: int, r1: str, bpipe1: bool = True) -> Optional[float]:
-    """SCHEDULES.md §3.3's estimate S = [(m0+p−1)/(m0+f(p−1))]·[MFU1(b1)/MFU1(b0)]·[r0/r1] from the
+    """S = [(m0+p−1)/(m0+f(p−1))]·[MFU1(b1)/MFU1(b0)]·[r0/r1] (our form of the MFU-based estimate of the
+    re-evaluation, arXiv 2401.02088; docs/schedules.md, "Formulas and their sources") from the
     single-stage curves only (no simulation): what the re-evaluation proposes to compute in advance."""
     c0, c1 = _candidate(est, b0, r0, False), _candidate(est, b1, r1, bpipe1)
     if c0 is None or c1 is None:
@@ -383,7 +384,7 @@ def predict_bpipe_reeval(hardware: str = "a100-80gb", efficiency_file: Optional[
     report = PaperReport(
         "bpipe-reeval", "Re-evaluating BPipe: GPT-3 with and without FlashAttention, LLaMA (Huang et al., 2024)",
         f"{source}; "
-        "the re-evaluation's model sizes, cluster and tables are not in our spec, so its findings are "
+        "the re-evaluation's model sizes, cluster and tables are not used here, so its findings are "
         "qualitative targets and every row's error is left blank.")
     cases = [("GPT-3 96B, unfused attention", "bpipe_reeval_gpt3", "1f1b", "bpipe-mb2",
               "gain confirmed (finding i)", lambda s: s is not None and s > 1.1),
@@ -405,14 +406,15 @@ def predict_bpipe_reeval(hardware: str = "a100-80gb", efficiency_file: Optional[
                      f"{best:.2f}× ({est.best_bpipe.label()} vs {est.best_plain.label()})")
         formula = formula_speedup(est, s0.micro_batch, s0.recompute, s1.micro_batch, s1.recompute)
         verdict = "agrees" if agrees(best if best != math.inf else 10.0) else "disagrees"
-        formula_text = f"; §3.3 formula {formula:.2f}×" if formula else ""
+        formula_text = f"; S formula {formula:.2f}×" if formula else ""
         report.rows.append(Row(f"{label}: BPipe speedup", published,
                                f"config pair {pair}; best-vs-best {best_text} ({verdict}){formula_text}"))
         curve = ", ".join(f"b={b} {100 * layers.layer_times(b).mfu(hw.peak_tflops):.0f}%" for b in (1, 2, 4))
-        report.rows.append(Row(f"{label}: single-layer MFU(b) without recompute", "not published in our spec",
+        report.rows.append(Row(f"{label}: single-layer MFU(b) without recompute", "no published figure used here",
                                curve))
-    report.notes.append("Finding (iv), the MFU-based estimate, is the §3.3 formula column; it uses only "
-                        "single-stage times and the bubble term, and is compared with the simulated speedup.")
+    report.notes.append("Finding (iv), the MFU-based estimate, is the S formula column (our form of it, "
+                        "docs/schedules.md); it uses only single-stage times and the bubble term, and is compared "
+                        "with the simulated speedup.")
     return report
 
 
@@ -425,7 +427,7 @@ def _cells(*values: Optional[tuple[int, int]]) -> dict:
     return dict(zip(PIPEOFFLOAD_METHODS, values))
 
 
-# Figure 15 (MFU %, activation GB; SCHEDULES.md §2.6, read from a figure). None = OOM / not run / SKIP.
+# PipeOffload's Figure 15 (arXiv 2503.01328; MFU %, activation GB, read from a figure). None = OOM / not run / SKIP.
 FIGURE_15 = {
     ("10.5b", 4096): _cells((65, 15), (65, 13), (63, 8), (59, 3), None, (57, 12)),
     ("10.5b", 8192): _cells((68, 30), (68, 27), (65, 16), (61, 6), None, (59, 24)),
@@ -550,7 +552,7 @@ def predict_pipeoffload(hardware: str = "a100-80gb", cells: Optional[Sequence[tu
                                        relative_error(ratio, published_ratio)))
     report.notes.append("Cells where 1F1B-I has no published result (OOM at 16k) use the uncalibrated roofline "
                         f"(matmul efficiency {hw.matmul_efficiency}).")
-    report.notes.append("Figure 15's cells are read from a figure (SCHEDULES.md §2.6); single cells are "
+    report.notes.append("Figure 15's cells are read from a figure (arXiv 2503.01328); single cells are "
                         "indicative. The paper recomputes LayerNorm/GeLU/dropout in its offloading runs "
                         "(34 → 20·s·b·h bytes per layer), which planning.memory does not model.")
     return report
@@ -592,8 +594,9 @@ def predict_2bw(hardware: str = "v100-16gb-p3.16xlarge") -> PaperReport:
     hw, raw = load_hardware_profile(hardware, "fp16")
     report = PaperReport(
         "2bw", "PipeDream-2BW, GPT 2.2B / 3.8B on 64 V100-16GB (Narayanan et al., ICML 2021)",
-        f"no absolute baseline figure in our spec; roofline on {hw.name} (fp16 {hw.peak_tflops:g} TFLOP/s) with "
-        f"matmul efficiency {hw.matmul_efficiency} (the paper's ≈45 TFLOP/s per worker on GPT-355M). Nothing fitted.")
+        f"no absolute baseline figure taken from the paper; roofline on {hw.name} (fp16 {hw.peak_tflops:g} "
+        f"TFLOP/s) with matmul efficiency {hw.matmul_efficiency} (the paper's ≈45 TFLOP/s per worker on "
+        "GPT-355M). Nothing fitted.")
     for model in ("2.2b", "3.8b"):
         s = load_setting(f"pipedream_2bw_gpt_{model}", "2bw")
         times = {meth: _2bw_step(s, hw, meth) for meth in ("2bw", "1f1b", "gpipe")}
@@ -625,8 +628,8 @@ def predict_2bw(hardware: str = "v100-16gb-p3.16xlarge") -> PaperReport:
                            f"{_gb(worst['gpipe'])}, {'fits' if worst['gpipe'] <= hw.memory_gib * GIB else 'OOM'} "
                            "in 16 GB"))
     report.notes.append("2BW's second version is counted as a second fp32 master (+4 bytes per parameter, as "
-                        "the reference code keeps two); optimizer state 18 bytes per parameter (fp16 weights, "
-                        "fp32 gradients, master and two Adam moments).")
+                        "the public 2BW code, msr-fiddle/pipedream, keeps two); optimizer state 18 bytes per "
+                        "parameter (fp16 weights, fp32 gradients, master and two Adam moments).")
     return report
 
 
@@ -666,13 +669,13 @@ def predict_breadth_first(hardware: str = "a100-80gb") -> PaperReport:
     hw, _ = load_hardware_profile(hardware)
     report = PaperReport(
         "breadth-first", "Breadth-first pipeline parallelism, 52B on 64 A100 (Lamy-Poirier, MLSys 2023)",
-        f"no absolute figure in our spec; roofline on {hw.name} with matmul efficiency {hw.matmul_efficiency}. "
-        "Nothing fitted.")
+        f"no absolute figure taken from the paper; roofline on {hw.name} with matmul efficiency "
+        f"{hw.matmul_efficiency}. Nothing fitted.")
     steps = {v: _bfs_step(load_setting("breadth_first_52b", v), hw) for v in ("looped-bfs", "interleaved-1f1b", "1f1b")}
     for baseline in ("1f1b", "interleaved-1f1b"):
         gain = steps[baseline][0] / steps["looped-bfs"][0] - 1
         report.rows.append(Row(f"52B, 1 sample per GPU: looped-bfs throughput gain over {baseline}",
-                               "up to +43% over Megatron-LM (its best configuration, not in our spec)",
+                               "up to +43% over Megatron-LM (its best configuration, not used here)",
                                f"{100 * gain:+.0f}% (bubble {100 * steps['looped-bfs'][1]:.0f}% vs "
                                f"{100 * steps[baseline][1]:.0f}%, exposed DP {steps['looped-bfs'][2] * 1e3:.0f} vs "
                                f"{steps[baseline][2] * 1e3:.0f} ms)", relative_error(1 + gain, 1.43)))

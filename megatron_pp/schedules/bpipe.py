@@ -1,8 +1,10 @@
-"""The BPipe pass (SCHEDULES.md §3): balance 1F1B's stash memory by parking stashes on the partner rank.
+"""The BPipe pass (Kim et al., ICML 2023): balance 1F1B's stash memory by parking stashes on the partner rank.
 
 Under 1F1B with flush rank s holds up to p − s stashes: p on rank 0, one on the last rank. BPipe pairs
 rank x with rank y = p − 1 − x (together they hold p + 1 at their peaks) and keeps at most
 K = ⌈(p + 2)/2⌉ stashes resident on a rank between its actions (`--bpipe-max-resident` changes K).
+The pairing and the bound are the paper's; which stash moves and when are ours, since the authors' code
+is not public (docs/schedules.md, "Formulas and their sources").
 `add_bpipe` rewrites each evicting rank's compute list by counting, without timing:
 
 - after a forward that takes the rank above K, `EVICT j>y` ships the stash just made (the newest: 1F1B

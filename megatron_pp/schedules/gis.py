@@ -2,7 +2,8 @@
 
 All of them place stage c·p + r on (rank r, chunk c), as Megatron's interleaved 1F1B does, and split each
 backward into BI (input gradient, sent upstream at once) and BW (weight gradient) with BW right after
-its BI, so a stash lives from its F to its BW and no weight gradient is left waiting (SCHEDULES.md §2.3).
+its BI, so a stash lives from its F to its BW and no weight gradient is left waiting (PipeOffload, arXiv
+2503.01328, §3 and Table 1).
 
 * **Group-interleaved (`gis`, ⌈p/2⌉ ≤ g ≤ p, g ≥ 2).** Forwards take microbatches in groups of g, chunk by
   chunk inside a group (`generators.group_order`); backwards use the same order on the reversed chunk.
@@ -19,9 +20,9 @@ its BI, so a stash lives from its F to its BW and no weight gradient is left wai
   divide p, and further shifts of 3 keep the v forwards (and the v backwards) of one rank on distinct
   slots modulo I. Each rank's list is every microbatch's block actions sorted by their block time. A
   chunk's stash then lives about 3·(p·v − stage) slots, proportional to how early the stage comes, so
-  offloading the first chunks saves far more than their share (better than linear, §2.2); unoffloaded
-  rank 0 holds about p·(v+1)/2 stashes, like GIS-H (p=8, v=4: 20, exactly GIS-H's g·(v−1) + p; p=4,
-  v=4: 12 against GIS-H's 10, the ring-closing shifts lengthen every lifespan a little).
+  offloading the first chunks saves far more than their share (better than linear: PipeOffload, Figs. 2
+  and 3); unoffloaded rank 0 holds about p·(v+1)/2 stashes, like GIS-H (p=8, v=4: 20, exactly GIS-H's
+  g·(v−1) + p; p=4, v=4: 12 against GIS-H's 10, the ring-closing shifts lengthen every lifespan a little).
 
 p=4, m=8, v=2 (GIS, g=4; warm-up 7, 6, 5, 4):
 

@@ -1,4 +1,5 @@
-"""The modular (looping, breadth-first) pipeline and layered gradient accumulation (SCHEDULES.md §4).
+"""The modular (looping, breadth-first) pipeline and layered gradient accumulation
+(arXiv 2106.02679, arXiv 2211.05953; docs/layered.md).
 
 **Placement.** S = p·v global stages of `--num-layers-per-virtual-pipeline-stage` layers each (1 is the
 paper's layer-wise layout); stage k lives on (rank k mod p, local chunk k // p), Megatron's interleaved

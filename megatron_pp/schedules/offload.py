@@ -1,4 +1,4 @@
-"""The offload pass (PipeOffload, SCHEDULES.md §2.2–2.4): park chosen stashes in host memory between F and B.
+"""The offload pass: park chosen stashes in host memory between F and B (PipeOffload, arXiv 2503.01328, §4).
 
 `add_offload(schedule, K)` takes a compute-only schedule and inserts, on every offloading rank, an
 OFFLOAD right after the forward of each (microbatch, chunk) with chunk < K — a rank's first chunks have
@@ -18,7 +18,7 @@ What runs is exactly the returned list: the validator checks it, the simulator t
 as resident until its offload copy completes and again from the start of its reload) and the executor
 moves real tensors (`offload_store.OffloadStore`).
 
-Feasibility: k = round-trip copy time / F+B compute time of one layer (SCHEDULES.md §2.1). Full offload
+Feasibility: k = round-trip copy time / F+B compute time of one layer (arXiv 2503.01328, Eq. 1). Full offload
 is free when k ≤ 1; one stream hides about a 1/k share, so PO-H needs about k ≤ 2. With t_B = 2·t_F,
 `offload_time` T (one-way / forward) and k are related by k = 2T / 3, so the default T = 0.25 is
 k ≈ 0.17. `k_from_formula` is Eq. 1 of the paper, `k_from_measurement` the same ratio from a measured
@@ -285,5 +285,5 @@ def offload_time_from_k(k: float, forward_share: float = 1.0 / 3.0) -> float:
 
 
 def full_offload_is_free(k: float) -> bool:
-    """PO-F hides every copy behind compute iff k ≤ 1 (§2.1); PO-H needs about k ≤ 2."""
+    """PO-F hides every copy behind compute iff k ≤ 1 (arXiv 2503.01328, Eq. 1); PO-H needs about k ≤ 2 (ours)."""
     return k <= 1.0

@@ -15,13 +15,13 @@ compute stream: one host-copy lane per rank (PipeOffload's single stream, altern
 reloads in issue order) and, for peer transfers, one lane per (rank, peer) and direction (EVICT out,
 LOAD back: the two directions of a full-duplex link, with a process group each). Issuing one costs the
 compute stream nothing; it starts when its lane is free (and, coming back, once its outbound copy is
-done) and lasts `CostModel.transfer_time`. Accounting follows SCHEDULES.md §2.4: a stash stops counting as resident
-when its outbound copy *completes* (never when it starts), counts again from the *start* of the copy
-back (the buffer is allocated then), and its backward waits for that copy to finish. The `parked` curve
-counts stashes held off-device (in host memory or on the peer). A peer transfer also shows on the peer:
-its buffer counts there from the start of the EVICT until the LOAD has delivered the stash back. A
-forward waits for the EVICTs issued before it (the executor frees their memory before it allocates), so
-an evicting rank never holds its bound plus two. With `CostModel.stash_bytes` the curves are also
+done) and lasts `CostModel.transfer_time`. Accounting (ours; docs/schedules.md, "Formulas and their
+sources"): a stash stops counting as resident when its outbound copy *completes* (never when it
+starts), counts again from the *start* of the copy back (the buffer is allocated then), and its backward
+waits for that copy to finish. The `parked` curve counts stashes held off-device (in host memory or on
+the peer). A peer transfer also shows on the peer: its buffer counts there from the start of the EVICT
+until the LOAD has delivered the stash back. A forward waits for the EVICTs issued before it (the
+executor frees their memory before it allocates), so an evicting rank never holds its bound plus two. With `CostModel.stash_bytes` the curves are also
 weighed in bytes (`SimResult.peak_bytes`, guests at their owner's size) and, with `peer_bandwidth`,
 EVICT/LOAD take bytes / bandwidth.
 """

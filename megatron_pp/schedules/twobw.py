@@ -1,4 +1,4 @@
-"""PipeDream-2BW: 1F1B without a flush between optimizer steps, on two weight versions (SCHEDULES.md §5).
+"""PipeDream-2BW: 1F1B without a flush between optimizer steps, on two weight versions (arXiv 2006.09503).
 
 **Order.** Rank s runs 1F1B with w_s = p − s − 1 warm-up forwards, but the steady state never stops at
 a step boundary: the last w_s forwards of the call that runs batch t already belong to batch t+1. The

@@ -410,13 +410,12 @@ def _at_least(args: argparse.Namespace, names: Sequence[str], minimum: float) ->
             for n in names if getattr(args, n) is not None and getattr(args, n) < minimum]
 
 
-def _check_parallel_and_batch(args: argparse.Namespace) -> list[str]:
+def _check_parallel_and_batch(args: argparse.Namespace, world: int) -> list[str]:
     errors = _at_least(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
                               "global_batch_size"), 1)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    world = _world_size()
     if tp >= 1 and pp >= 1:
         if world % (tp * pp) != 0:
             errors.append(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -651,7 +650,8 @@ def virtual_stages_given(args: argparse.Namespace) -> bool:
             or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None)
 
 
-def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig]) -> tuple[list[str], Optional[Schedule]]:
+def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig],
+                    world: int) -> tuple[list[str], Optional[Schedule]]:
     """Errors of the schedule flags, and the schedule when it can be built (the job's sizes are known)."""
     from megatron_pp.models.layout import split_layers
     from megatron_pp.schedules.registry import list_schedules
@@ -664,21 +664,52 @@ def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig
         job_schedule_options(args)
     except ValueError as exc:
         return [str(exc)], None
-    tp, pp, mbs, gbs = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size,
-                        args.global_batch_size)
-    world = _world_size()
-    if config is None or min(tp, pp, mbs) < 1 or gbs is None or world % (tp * pp) or gbs % (mbs * (world // (tp * pp))):
-        return [], None  # the sizes are wrong: their own checks say so
+    tp, pp, mbs = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size
+    dp = world // (tp * pp) if min(tp, pp) >= 1 and world % (tp * pp) == 0 else 0
+    gbs = args.global_batch_size if args.global_batch_size is not None else mbs * dp  # derive_args' default
+    if config is None or mbs < 1 or dp < 1 or gbs < 1 or gbs % (mbs * dp):
+        # The sizes are wrong (their own checks say so): what the schedule needs still decides the rest.
+        facts = _schedule_at_nominal_size(args)
+        return ((_check_weight_versions(args, facts) if facts is not None else []), None)
     try:
         chunks = num_chunks(args, config) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
-        schedule = build_job_schedule(args, world // (tp * pp), chunks)
+        schedule = build_job_schedule(argparse.Namespace(**{**vars(args), "global_batch_size": gbs}), dp, chunks)
         if args.pipeline_schedule_file and chunks is None:
             split_layers(config.num_layers, pp, schedule.num_chunks,
                          account_for_embedding=args.account_for_embedding_in_pipeline_split,
                          account_for_loss=args.account_for_loss_in_pipeline_split)
     except ValueError as exc:
         return [" ".join(str(exc).split())], None
-    return [], schedule
+    return _check_weight_versions(args, schedule), schedule
+
+
+def _schedule_at_nominal_size(args: argparse.Namespace) -> Optional[Schedule]:
+    """The job's registered schedule at a size it accepts (2p microbatches per step), or None: for the checks
+    that depend on what its lists contain, not on their length, when the job's own sizes are wrong."""
+    if getattr(args, "pipeline_schedule_file", None) or args.pipeline_model_parallel_size < 1:
+        return None
+    from megatron_pp.schedules.registry import build_schedule, get_schedule
+
+    try:
+        entry = get_schedule(args.pipeline_schedule)
+        pp = args.pipeline_model_parallel_size
+        return build_schedule(entry.name, pp, 2 * pp, 2 if entry.supports_virtual else 1, **job_schedule_options(args))
+    except ValueError:
+        return None
+
+
+def _check_weight_versions(args: argparse.Namespace, schedule: Schedule) -> list[str]:
+    """Lists with weight versions (2BW's deferred update, training/weight_versions.py) keep whole fp32 main
+    weights and gradients per stage: refused with sharding here, before the model is built."""
+    from megatron_pp.schedules.runtime import runtime_needs
+
+    if not runtime_needs(schedule).weight_versions:
+        return []
+    sharded = ["--use-distributed-optimizer"] if args.use_distributed_optimizer else []
+    if args.data_parallel_sharding_strategy != "no_shard":
+        sharded.append(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}")
+    return [f"{schedule_source(args)} keeps whole fp32 main weights and gradients per stage (weight versions): "
+            f"{s} is not supported with it" for s in sharded]
 
 
 def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[TransformerConfig]]:
@@ -716,9 +747,14 @@ def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[Transfor
     return errors, config
 
 
-def validate_args(args: argparse.Namespace) -> list[str]:
-    """Every problem with the arguments, one line each (empty list: fine). Reads no data, builds nothing."""
-    errors = _check_parallel_and_batch(args)
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> list[str]:
+    """Every problem with the arguments, one line each (empty list: fine). Reads no data and builds no model
+    or process group; it does build the job's action lists (pure and quick), so a schedule that cannot run
+    at these sizes is refused here.
+
+    `world_size` stands in for the launcher's (tools that check a configuration for another job size)."""
+    world = _world_size() if world_size is None else world_size
+    errors = _check_parallel_and_batch(args, world)
     errors += _check_length_and_lr(args)
     errors += _check_optimizer_and_precision(args)
     errors += _check_recompute(args)
@@ -726,7 +762,7 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors += _check_faults(args)
     errors += _check_evaluation_and_logging(args)
     model_errors, config = _check_model(args)
-    schedule_errors, schedule = _check_schedule(args, config)
+    schedule_errors, schedule = _check_schedule(args, config, world)
     errors += schedule_errors
     errors += _check_sharding(args, schedule)
     errors += model_errors

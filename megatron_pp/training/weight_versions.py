@@ -1,4 +1,5 @@
-"""Two weight versions per stage and one optimizer state: the runtime of PipeDream-2BW (SCHEDULES.md §5).
+"""Two weight versions per stage and one optimizer state: the runtime of PipeDream-2BW
+(arXiv 2006.09503).
 
 `WeightVersions` keeps two buffers per trainable parameter; version v (the weights batch v runs on,
 W(v−1), see `schedules.twobw`) lives in buffer v mod 2. Before every F and B the executor asks it (as

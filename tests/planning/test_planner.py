@@ -177,7 +177,8 @@ def test_ranked_rows_carry_flags_the_training_parser_accepts(preset, gpus, batch
     # One configuration of every registered schedule as well, so every option's flag is exercised.
     for entry in registered_schedules():
         v = 2 if entry.supports_virtual else 1
-        c = Configuration(2, 4, gpus // 8, 1, "none", entry.name, v, tuple(_options(entry, v).items()), gpus > 8)
+        zero = gpus > 8 and entry.name != "2bw"  # 2BW refuses the distributed optimizer (validate_args)
+        c = Configuration(2, 4, gpus // 8, 1, "none", entry.name, v, tuple(_options(entry, v).items()), zero)
         rows.append(planner.evaluate(c))
     for p in rows:
         flags = launch_flags(job, p.configuration)
@@ -185,6 +186,15 @@ def test_ranked_rows_carry_flags_the_training_parser_accepts(preset, gpus, batch
         script = "pretrain_llama.py" if preset.startswith("llama") else "pretrain_gpt.py"
         assert script in launch_command(job, cluster, p.configuration)
     assert "--seq-length 1024" in " ".join(launch_flags(job, rows[0].configuration))
+
+
+def test_2bw_is_never_planned_with_the_distributed_optimizer():
+    job = Job("gpt3-1.3b", dataclasses.replace(get_preset("gpt3-1.3b"), seq_length=1024, max_position_embeddings=1024),
+              64)
+    configurations = list(Planner(job, Cluster(16, A100_80GB), max_micro_batch_size=1).configurations())
+    assert any(c.schedule == "2bw" for c in configurations)
+    assert any(c.distributed_optimizer for c in configurations)
+    assert not any(c.schedule == "2bw" and c.distributed_optimizer for c in configurations)
 
 
 # Plugins -------------------------------------------------------------------------------------------------

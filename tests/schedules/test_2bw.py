@@ -64,7 +64,7 @@ def test_next_batch_forwards_precede_the_end_of_the_batch():
 @pytest.mark.parametrize("edit, message", [
     # The update of batch 0 moved after the first forward that needs its version.
     (lambda acts: _swap_step_with_next(acts, 2, Op.F), "version 2 is not in buffer 0"),
-    # A forward of batch 2 on the old version (mistake 2 of SCHEDULES.md §5.5).
+    # A forward of batch 2 on the old version (pitfall 2 in docs/2bw.md).
     (lambda acts: [dataclasses.replace(a, version=1) if a.op is Op.F and a.microbatch == 16 else a for a in acts],
      "must run on version 2"),
     # One of rank 0's three early forwards of batch 1 moved after batch 0's end: the pipeline drains.
@@ -95,7 +95,7 @@ def _swap_step_with_previous(acts, version, op):
 
 
 def test_a_backward_on_another_version_than_its_forward_is_refused():
-    """Mistake 1 of SCHEDULES.md §5.5, caught by the generic validator."""
+    """Pitfall 1 in docs/2bw.md, caught by the generic validator."""
     schedule = build_schedule("2bw", 2, 4, steps=2)
     acts = schedule.actions[0]
     i = next(k for k, a in enumerate(acts) if a.op is Op.B and a.microbatch == 4)

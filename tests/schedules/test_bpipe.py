@@ -1,4 +1,5 @@
-"""The BPipe pass, its validator rules and its simulation (SCHEDULES.md §3), without processes."""
+"""The BPipe pass, its validator rules and its simulation (Kim et al., ICML 2023; docs/bpipe.md), without
+processes."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,7 +65,8 @@ def test_pass_keeps_1f1b_and_bounds_every_rank(p):
 
 
 def test_p8_peaks_against_1f1b():
-    """SCHEDULES.md §3.1's example: p = 8, K = 5; ranks 0, 1, 2 park 3, 2, 1 stashes on 7, 6, 5."""
+    """p = 8, K = ⌈(p + 2)/2⌉ = 5 (the paper's bound; which stashes move is ours): ranks 0, 1, 2 park 3, 2,
+    1 stashes on 7, 6, 5."""
     result = simulate(build_schedule("bpipe", 8, 16))
     assert simulate(build_schedule("1f1b", 8, 16)).peak_stash == [8, 7, 6, 5, 4, 3, 2, 1]
     assert result.peak_stash == [6, 6, 6, 5, 4, 4, 4, 4]

@@ -191,7 +191,7 @@ def one_stash_bytes(preset, layers, pp, v):
     return out
 
 
-# PipeOffload (SCHEDULES.md §2): the GIS family with and without host offload, and 1F1B + offload. One layer
+# PipeOffload (arXiv 2503.01328): the GIS family with and without host offload, and 1F1B + offload. One layer
 # per chunk where layers = p·v. (preset, layers, tp, pp, schedule, m, v, options), grouped by world size.
 PIPEOFFLOAD_WORLD2 = [
     ("gpt-tiny", 4, 1, 2, "gis", 4, 2, {}),
@@ -254,7 +254,7 @@ def test_exact_pipeoffload_paper_layout(pp, v):
     _run_pipeoffload(4 if pp == 4 else 2, case, {"account_for_embedding": True, "account_for_loss": True})
 
 
-# Layered gradient accumulation on the modular (looped-bfs) pipeline, SCHEDULES.md §4: every case runs one step
+# Layered gradient accumulation on the modular (looped-bfs) pipeline (arXiv 2106.02679): every case runs one step
 # through the training optimizer's reducer, data-parallel width 2, one of three sharding strategies: all-reduce
 # (no_shard), reduce-scatter into the distributed optimizer's shard (optim), or that plus sharded weights
 # all-gathered per chunk (optim_grads_params, ZeRO-3). Two chunks per rank, 1 or 2 layers per stage, m = 2p,
@@ -330,7 +330,7 @@ def test_exact_looped_bfs(case):
     assert {r["peak_count"] for r in results} == {v * m // split}  # v chunks x B stashes on every rank
 
 
-# BPipe (SCHEDULES.md §3): 1F1B with stashes parked on the partner rank p-1-x. One layer per stage.
+# BPipe (Kim et al., ICML 2023): 1F1B with stashes parked on the partner rank p-1-x. One layer per stage.
 # (preset, tp, pp, m, options, sequence_parallel).
 BPIPE = [
     ("gpt-tiny", 1, 4, 4, {}, False),  # m = p, K = 3: rank 0 parks one stash per step on rank 3

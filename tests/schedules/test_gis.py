@@ -1,5 +1,5 @@
-"""GIS family (SCHEDULES.md §2.3): group-interleaved warm-ups, the rank-0 peak table, the uniform repeating
-building block, registry names and option errors."""
+"""GIS family (PipeOffload, arXiv 2503.01328, §3): group-interleaved warm-ups, the rank-0 peak table, the
+uniform repeating building block, registry names and option errors."""
 from pathlib import Path
 
 import pytest
@@ -57,7 +57,7 @@ def test_group_interleaved_warmup_orders_and_split_backward(p, m, v, g):
                 assert acts[i + 1] == Action(Op.BW, a.microbatch, a.chunk)
 
 
-# SCHEDULES.md §2.3 test values, (d, v, g) -> rank-0 peak in chunk stashes: g(v−1) + d.
+# (d, v, g) -> rank-0 peak in chunk stashes, g(v−1) + d (arXiv 2503.01328, §3; docs/schedules.md).
 PEAK_TABLE = [(4, 2, 4, 8), (4, 2, 2, 6), (4, 4, 4, 16), (4, 4, 2, 10), (8, 2, 8, 16), (8, 2, 4, 12), (8, 4, 8, 32),
               (8, 4, 4, 20)]
 

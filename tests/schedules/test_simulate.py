@@ -1,4 +1,5 @@
-"""The simulator against the closed forms of SCHEDULES.md §1 and against hand-timed small cases."""
+"""The simulator against the closed forms of docs/schedules.md ("Formulas and their sources") and against
+hand-timed small cases."""
 import pytest
 
 from megatron_pp.schedules.generators import looped_placement
@@ -46,7 +47,7 @@ def test_interleaved_matches_closed_forms():
                 if m % p == 0:
                     assert result.makespan == pytest.approx(3 * (v * m + p - 1), abs=1e-9)
                     assert result.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-9)
-                    # SCHEDULES.md §1: rank 0 holds v*p + p - 1 chunk stashes (all v*m of them if m = p).
+                    # arXiv 2104.04473 §2.2: rank 0 holds v*p + p - 1 chunk stashes (all v*m of them if m = p).
                     assert result.peak_stash[0] == (v * p + p - 1 if m > p else v * m)
                     checked += 1
     assert checked == 114  # every (p, v, m) of the grid with m a multiple of p

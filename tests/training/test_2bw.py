@@ -19,7 +19,7 @@ import torch
 
 from megatron_pp.models.layout import split_layers
 from megatron_pp.models.transformer import StageModel, build_model
-from megatron_pp.training.arguments import model_config_from_args, parse_args
+from megatron_pp.training.arguments import build_parser, derive_args, model_config_from_args, parse_args
 from megatron_pp.training.checkpointing import iteration_dir, model_file, rank_file
 from megatron_pp.training.train import MockSplit, pretrain
 from megatron_pp.training.weight_versions import WeightVersions
@@ -227,10 +227,18 @@ def test_combinations_follow_the_reference(case):
     _assert_rows_follow_reference(rows, argv)
 
 
-def test_distributed_optimizer_is_refused():
+def _rows_unvalidated(ctx, argv: list[str], pp: int) -> list[dict]:
+    return pretrain(derive_args(build_parser().parse_args(argv)), state=ctx.parallel_state(1, pp))
+
+
+def test_distributed_optimizer_is_refused(capsys):
     argv = _argv("gpt-tiny", 2, 2, "adam", ("--use-distributed-optimizer",), dp=2)
+    with pytest.raises(SystemExit):  # at start-up, by the argument check
+        parse_args(argv)
+    assert "--use-distributed-optimizer is not supported with it" in capsys.readouterr().err
+    # And by the optimizer itself, for a program that builds the job without the argument check.
     with pytest.raises(AssertionError, match="--use-distributed-optimizer is not supported with it"):
-        run_distributed(4, _rows, argv, 2)
+        run_distributed(4, _rows_unvalidated, argv, 2)
 
 
 # Mixed precision and loss scaling ----------------------------------------------------------------------------

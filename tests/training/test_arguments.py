@@ -84,6 +84,10 @@ BAD = [
      "--microbatch-group-size-per-vp-stage does not apply to --pipeline-schedule 1f1b"),
     (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
     (["--recompute-granularity", "selective", "--recompute-method", "block"], "applies to --recompute-granularity full"),
+    (["--pipeline-schedule", "2bw", "--use-distributed-optimizer"],
+     "2bw keeps whole fp32 main weights and gradients per stage (weight versions): --use-distributed-optimizer is not supported"),
+    (["--pipeline-schedule", "2bw", "--data-parallel-sharding-strategy", "optim"],
+     "--data-parallel-sharding-strategy optim is not supported with it"),
 ]
 
 
@@ -93,6 +97,12 @@ def test_bad_combination_is_reported_by_flag(extra, needle):
     assert any(needle in e for e in errors), errors
     for line in errors:
         assert "\n" not in line and "--" in line, line
+
+
+def test_world_size_can_be_given_instead_of_the_launchers():
+    args = build_parser().parse_args(BASE + ["--tensor-model-parallel-size", "2", "--global-batch-size", "4"])
+    assert validate_args(args, world_size=4) == []
+    assert any("world size 3 is not divisible" in e for e in validate_args(args, world_size=3))
 
 
 def test_every_problem_is_reported_at_once():
