@@ -298,7 +298,6 @@ def init_distributed(
     works and pays nothing). `backend` defaults to nccl when CUDA is available, else gloo.
     """
     launch = read_launch_env(environ)
-    write_pid_file(launch, environ)
     if launch.world_size == 1 and launch.source == "single":
         return launch
     if dist.is_initialized():
