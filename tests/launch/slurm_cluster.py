@@ -8,6 +8,7 @@ that a requeue test does not wait two minutes.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import re
@@ -43,6 +44,14 @@ def _free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies without its finalizers (killed)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _daemon(name: str) -> str:
@@ -125,7 +134,7 @@ class LocalSlurm:
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(os.path.join(self.root, f"{name}.stdout"), "w")
         self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
 
     def _wait(self, ready, what: str, timeout: float) -> None:
         deadline = time.time() + timeout

@@ -116,6 +116,21 @@ def _wait(cond, what, timeout, slurm=None, job=None, cwd=None):
         time.sleep(0.1)
 
 
+def _agents(job):
+    """PIDs of the torchrun agents of `job` on this machine."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        # `python -m torch.distributed.run ...`: not srun, whose own command line names it too.
+        if cmdline[1:3] == [b"-m", b"torch.distributed.run"] and f"SLURM_JOB_ID={job}".encode() in environ:
+            found.append(int(entry))
+    return found
+
+
 def _signal_all(pids, sig):
     for pid in pids:
         try:
@@ -180,12 +195,17 @@ def test_torchrun_mode_one_agent_per_node_and_early_usr1(slurm, clone, reference
     _, _, expected = reference
     run = "runs/torchrun"
     job = _submit(slurm, clone, [SBATCH, *_train(clone, run)], LAUNCH_MODE="torchrun")
-    slurm.wait_for(job, ("RUNNING",), 120)
+    # Once the batch shell runs (a signal sent before it exists is dropped), while the ranks start.
+    _wait(lambda: "torchrun mode" in _output(clone, job), "the batch script", 120, slurm, job, clone)
     slurm.scancel(job, "--batch", "--signal=USR1")
     _wait(lambda: int(slurm.job(job).get("Restarts", 0)) == 1, "the requeue", 240, slurm, job, clone)
+    log_dir = os.path.join(clone, "logs", str(job))
+    _wait(lambda: len(_pids(log_dir)) == 2, "the resumed ranks", 240, slurm, job, clone)
+    agents = _agents(job)
     info = slurm.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 240)
     out = _output(clone, job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
+    assert len(agents) == 1, agents
     assert "1 node(s) x 2 processes (no GPUs), torchrun mode" in out
     first_run = out.split("(restart 1)")[0]
     assert first_run.count("USR1 to pid") == 2, out
@@ -197,21 +217,29 @@ def test_torchrun_mode_one_agent_per_node_and_early_usr1(slurm, clone, reference
     assert _losses(_rows(os.path.join(clone, run, "metrics.jsonl"))) == expected
 
 
-def test_scancel_saves_and_ends_cancelled(slurm, clone, tmp_path):
-    """Submitted from outside the repository, by the script's path; relative paths are the submit dir's."""
+def test_scontrol_requeue_then_scancel_save_on_sigterm(slurm, clone, tmp_path):
+    """Submitted from outside the repository, by the script's path; relative paths are the submit dir's.
+    An operator's `scontrol requeue` and then `scancel` each reach the ranks as SIGTERM: both save."""
     elsewhere = tmp_path / "not the repo"
     elsewhere.mkdir()
     job = _submit(slurm, str(elsewhere), [os.path.join(clone, SBATCH), *_train(str(elsewhere), "run", 100000)])
     metrics = elsewhere / "run" / "metrics.jsonl"
+    latest = elsewhere / "run" / "ckpt" / "latest_checkpointed_iteration.txt"
     _wait(lambda: len(_rows(metrics)) >= 2, "iteration 2", 240, slurm, job, str(elsewhere))
+    slurm.scontrol("requeue", str(job))
+    _wait(latest.exists, "the checkpoint of the requeue", 60, slurm, job, str(elsewhere))
+    first = int(latest.read_text())
+    assert first == _rows(metrics)[-1]["iteration"] >= 2
+    # The requeued run resumes after the checkpoint.
+    _wait(lambda: _rows(metrics)[-1]["iteration"] >= first + 2, "the resumed run", 240, slurm, job, str(elsewhere))
+    assert [r["iteration"] for r in _rows(metrics)][first:first + 2] == [first + 1, first + 2]
+    assert int(slurm.job(job)["Restarts"]) == 1
     slurm.scancel(job)
     info = slurm.wait_for(job, ("CANCELLED",), 60)
-    # SIGTERM reached every rank; each saved before KillWait ran out.
-    _wait(lambda: (elsewhere / "run" / "ckpt" / "latest_checkpointed_iteration.txt").exists(), "the checkpoint",
-          60, slurm, job, str(elsewhere))
-    saved = int((elsewhere / "run" / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
-    assert saved == _rows(metrics)[-1]["iteration"] >= 2, (saved, info)
+    _wait(lambda: int(latest.read_text()) > first, "the checkpoint of the cancel", 60, slurm, job, str(elsewhere))
+    assert int(latest.read_text()) == _rows(metrics)[-1]["iteration"], info
     assert (elsewhere / "logs" / str(job) / "rank-0.log").exists()
+    assert "(restart 1)" in _output(str(elsewhere), job)
 
 
 def test_time_limit_signal_saves_and_requeues(slurm, clone):
