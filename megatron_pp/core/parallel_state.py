@@ -306,6 +306,7 @@ def write_pid_file(launch: LaunchEnv, environ: Optional[dict] = None) -> Optiona
 
     The SLURM batch script signals training processes through these files on preemption: neither
     srun's relaying of USR1 nor a torchrun agent (which dies on USR1) can be relied on to reach them.
+    Written by `ExitConditions` once its handlers are installed, so that no USR1 meets the default action.
     """
     env = os.environ if environ is None else environ
     directory = env.get("MEGATRON_PP_PID_DIR")
@@ -329,7 +330,6 @@ def init_distributed(
     works and pays nothing). `backend` defaults to nccl when CUDA is available, else gloo.
     """
     launch = read_launch_env(environ)
-    write_pid_file(launch, environ)
     if launch.world_size == 1 and launch.source == "single":
         return launch
     if dist.is_initialized():

@@ -13,6 +13,7 @@ arithmetic on every rank.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from types import FrameType
@@ -21,6 +22,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from megatron_pp.core import comm
+
+from megatron_pp.core.parallel_state import read_launch_env, write_pid_file
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -51,14 +54,24 @@ class ExitConditions:
         self.device = device
         self.received: Optional[int] = None  # the signal number, once one has arrived
         self._previous: dict[int, _Handler] = {}
+        self._pid_file: Optional[str] = None
 
     def __enter__(self) -> "ExitConditions":
         if self.handle_signals:
             for sig in EXIT_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+            # The SLURM batch script sends USR1 to the PIDs it finds in these files; advertised any
+            # earlier, a USR1 would meet the default action and kill the rank instead of stopping it.
+            self._pid_file = write_pid_file(read_launch_env())
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._pid_file is not None:
+            try:
+                os.remove(self._pid_file)
+            except OSError:
+                pass
+            self._pid_file = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
