@@ -5,7 +5,8 @@
 
 Steps, each a subprocess whose exit code, duration and last lines of output go into the report:
 1. the CUDA-only tests (offload store on side streams and pinned buffers, flash-attention against the
-   reference, the MFU benchmark's GPU shape), with `pytest`;
+   reference, the MFU benchmark's GPU shape, the compiled RoPE kernel, fp32-output GEMMs into the main
+   gradient, the multi-tensor norm), with `pytest`;
 2. `pretrain_gpt.py` under `torchrun` on one GPU with the NCCL backend, once per schedule family that
    runs on a single pipeline rank, with data parallelism of 1 and mock data (a family that cannot run at
    pp 1 is listed as refused with the validator's line, not silently skipped);
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CUDA_TESTS = ["tests/schedules/test_offload_store.py", "tests/models/test_attention.py", "tests/tools/test_bench_mfu.py"]
+CUDA_TESTS = ["tests/schedules/test_offload_store.py", "tests/models/test_attention.py", "tests/tools/test_bench_mfu.py",
+              "tests/models/test_fused_ops.py", "tests/core/test_main_grad.py", "tests/core/test_grad_norm.py"]
 PRETRAIN = ["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "16",
             "--train-iters", "4", "--lr", "1e-3", "--bf16", "--distributed-backend", "nccl", "--log-interval", "1"]
 # Schedule families on one pipeline rank: (name, extra flags).

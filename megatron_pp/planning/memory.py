@@ -64,8 +64,9 @@ Implementation-dependent dtypes are gathered in `Numerics`. Which profile matche
 - `MEGATRON_BF16`: Megatron-LM-style bf16 training on GPU, used for the paper predictions: bool dropout
   masks (`M = 1`, `native_dropout`), bf16 softmax output of the fused scale-mask-softmax kernel
   (`P = 2`), fused norms that keep only their input and fp32 statistics, no stored causal mask. This
-  repository's own bf16 GPU path differs in small ways (its norms upcast their input to fp32 before
-  saving it; its `reference` attention computes in fp32) and is not what the papers ran.
+  repository's own bf16 GPU path differs in small ways (its norms keep their bf16 input but no fp32
+  statistics, recomputing them in the backward; its `reference` attention computes in fp32) and is not
+  what the papers ran.
 
 Weights, gradients and optimizer state follow Megatron-LM's table ("Distributed Optimizer", Megatron
 Core developer guide): bf16 parameters with fp32 gradients and fp32 Adam (master copy, two moments) take

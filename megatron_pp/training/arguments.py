@@ -182,6 +182,9 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     mp.add_argument("--min-loss-scale", type=float, default=1.0)
     mp.add_argument("--loss-scale-window", type=int, default=1000, help="Good steps before the scale grows.")
     mp.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before the scale backs off.")
+    mp.add_argument("--apply-rope-fusion", action="store_true",
+                    help="CUDA: run RoPE's rotation as one torch.compile-generated kernel each way (compiled on first "
+                         "use; may differ from the op-by-op path in the last bit).")
 
     rc = parser.add_argument_group("activation recomputation")
     rc.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -472,6 +475,8 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
 
 def _check_optimizer_and_precision(args: argparse.Namespace) -> list[str]:
     errors = []
+    if getattr(args, "apply_rope_fusion", False) and not torch.cuda.is_available():
+        errors.append("--apply-rope-fusion needs CUDA (the CPU path runs the op-by-op rotation)")
     for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"{flag(name)} must be in [0, 1), got {getattr(args, name)}")

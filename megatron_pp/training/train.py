@@ -34,7 +34,7 @@ from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import ParallelState, init_distributed
 from megatron_pp.core.tensor_parallel import model_parallel_seed
 from megatron_pp.models.config import TransformerConfig
-from megatron_pp.models.transformer import RecomputeConfig
+from megatron_pp.models.transformer import RecomputeConfig, use_fused_rotary
 from megatron_pp.training.arguments import (build_job_schedule, model_config_from_args, num_chunks, parse_args,
                                             schedule_takes_offload_time, uses_file_data, virtual_stages_given)
 from megatron_pp.training.checkpointing import (
@@ -113,6 +113,8 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
         init_distributed(args.distributed_backend, timeout_s=60.0 * getattr(args, "distributed_timeout_minutes", 10.0))
         state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     seed_everything(args.seed, state)
+    if args.apply_rope_fusion:
+        use_fused_rotary(True)
     # The layer count decides the chunks; the vocabulary (the tokenizer's, with file data) does not matter yet.
     shape = model_config_from_args(args, vocab_size=1 if uses_file_data(args) else None)
     chunks = num_chunks(args, shape) if virtual_stages_given(args) or not args.pipeline_schedule_file else None

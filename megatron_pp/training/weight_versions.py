@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from megatron_pp.core.grads import GradientReducer, counts_once_in_model, squared_norm_fp64, unique_parameters
+from megatron_pp.core.grads import GradientReducer, counts_once_in_model, squared_norms_fp64, unique_parameters
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.core import comm
 from megatron_pp.core.tensor_parallel.utils import PendingCollective, start_all_reduce_
@@ -276,14 +276,14 @@ class DelayedUpdateOptimizer:
         """[inf/NaN flag, sum of squares of the gradient this rank counts] (as `GradientReducer`)."""
         state = self.state
         device = self._pending[0].device
-        counted = torch.zeros((), dtype=torch.float64, device=device)
-        rest = torch.zeros((), dtype=torch.float64, device=device)
+        counted_grads, rest_grads = [], []
         for p in self.versions.params:
             grad = self._pending_grad[id(p)]
-            if counts_once_in_model(p, state) and state.dp_rank == 0:
-                counted += squared_norm_fp64(grad)
-            else:
-                rest += squared_norm_fp64(grad)
+            (counted_grads if counts_once_in_model(p, state) and state.dp_rank == 0 else rest_grads).append(grad)
+        if not counted_grads and not rest_grads:
+            counted = rest = torch.zeros((), dtype=torch.float64, device=device)
+        else:
+            counted, rest = squared_norms_fp64([counted_grads, rest_grads])  # one multi-tensor kernel
         return torch.stack([(~torch.isfinite(counted + rest)).double(), counted])
 
     @torch.no_grad()

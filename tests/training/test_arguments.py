@@ -241,3 +241,10 @@ def test_launch_examples_pass_validation(tmp_path, monkeypatch, script, world):
     assert args.data_path == [str(tmp_path / "corpus")] and args.save == str(tmp_path / "ckpt")
     assert args.num_layers == {"gpt3_175b.sh": 96, "llama_3_8b.sh": 32}[script]
     assert validate_args(args) == []
+
+
+def test_rope_fusion_needs_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert any("--apply-rope-fusion needs CUDA" in e for e in errors_of(BASE + ["--apply-rope-fusion"]))
