@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import inspect
 import os
@@ -640,7 +641,22 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     errors += model_errors
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
+    if not errors:
+        errors += _check_lr_schedule(args)
     return errors
+
+
+def _check_lr_schedule(args: argparse.Namespace) -> list[str]:
+    """The LR schedule training will build, built now: the flag checks above do not cover every
+    combination it refuses (a WSD decay longer than what the warm-up leaves, sample-based lengths), and
+    its refusal in `pretrain` would come after the model and the datasets are built."""
+    from megatron_pp.training.optimizer import LRSchedule
+
+    try:
+        LRSchedule.from_args(derive_args(copy.copy(args)))
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 # Parsing ----------------------------------------------------------------------------------------------
