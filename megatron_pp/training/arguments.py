@@ -567,6 +567,13 @@ def _check_evaluation_and_logging(args: argparse.Namespace) -> list[str]:
 
 
 def _check_sharding(args: argparse.Namespace) -> list[str]:
+    if args.pipeline_schedule == "2bw" and (args.use_distributed_optimizer
+                                            or args.data_parallel_sharding_strategy != "no_shard"):
+        # Else the 2BW optimizer refuses it in pretrain, after the model and the datasets are built.
+        given = ("--use-distributed-optimizer" if args.data_parallel_sharding_strategy == "no_shard"
+                 else f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}")
+        return [f"--pipeline-schedule 2bw keeps whole fp32 main weights and gradients per stage: {given} is not "
+                "supported with it"]
     if args.data_parallel_sharding_strategy != "optim_grads_params":
         return []
     # Stash stores that park saved tensors elsewhere (host memory, a peer) tell parameters from

@@ -19,7 +19,7 @@ import torch
 
 from megatron_pp.models.layout import split_layers
 from megatron_pp.models.transformer import StageModel, build_model
-from megatron_pp.training.arguments import model_config_from_args, parse_args
+from megatron_pp.training.arguments import build_parser, model_config_from_args, parse_args, validate_args
 from megatron_pp.training.checkpointing import iteration_dir, model_file, rank_file
 from megatron_pp.training.train import MockSplit, pretrain
 from megatron_pp.training.weight_versions import WeightVersions
@@ -227,10 +227,13 @@ def test_combinations_follow_the_reference(case):
     _assert_rows_follow_reference(rows, argv)
 
 
-def test_distributed_optimizer_is_refused():
+def test_distributed_optimizer_is_refused(monkeypatch):
+    """By the argument check, before any process group, model or dataset exists."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     argv = _argv("gpt-tiny", 2, 2, "adam", ("--use-distributed-optimizer",), dp=2)
-    with pytest.raises(AssertionError, match="--use-distributed-optimizer is not supported with it"):
-        run_distributed(4, _rows, argv, 2)
+    errors = validate_args(build_parser().parse_args(argv))
+    assert any("--use-distributed-optimizer is not supported with it" in e for e in errors), errors
 
 
 # Mixed precision and loss scaling ----------------------------------------------------------------------------

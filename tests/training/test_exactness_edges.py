@@ -152,3 +152,30 @@ def test_three_steps_match_single_process(case):
     optimizer, reduction, preset, layers, mbs, m, extra = case
     flags = OPTIMIZERS[optimizer] + _layout_flags(reduction, extra)
     check_against_reference(preset, layers, mbs, mbs * m * _dp(extra), flags)
+
+
+# Combinations the validator refuses, at the same world size: the refusal names the flags that clash.
+REFUSED = [
+    (OPTIMIZERS["zero3"] + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "po-f",
+                            "--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--data-parallel-sharding-strategy optim_grads_params", "--pipeline-schedule po-f"]),
+    (OPTIMIZERS["zero3"] + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "bpipe"],
+     ["--data-parallel-sharding-strategy optim_grads_params", "--pipeline-schedule bpipe"]),
+    (OPTIMIZERS["zero3"] + ["--pipeline-model-parallel-size", "2", "--offload-chunks", "1"],
+     ["--data-parallel-sharding-strategy optim_grads_params", "--offload-chunks"]),
+    (OPTIMIZERS["zero1"] + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"],
+     ["--pipeline-schedule 2bw", "--use-distributed-optimizer"]),
+    (OPTIMIZERS["zero3"] + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"],
+     ["--pipeline-schedule 2bw", "--data-parallel-sharding-strategy optim_grads_params"]),
+    (["--pipeline-model-parallel-size", "2", "--layered-grad-accumulation"],  # layered needs looped-bfs
+     ["--layered-grad-accumulation", "--pipeline-schedule 1f1b"]),
+]
+
+
+@pytest.mark.parametrize("flags,names", REFUSED, ids=["zero3-po-f", "zero3-bpipe", "zero3-offload", "zero1-2bw",
+                                                     "zero3-2bw", "layered-1f1b"])
+def test_refused_combinations_name_their_flags(monkeypatch, flags, names):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    errors = validate_args(build_parser().parse_args(_argv("gpt-tiny", 4, 1, 3 * 2, flags)))
+    assert len(errors) == 1 and all(name in errors[0] for name in names), errors
