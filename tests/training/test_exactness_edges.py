@@ -13,8 +13,10 @@ is the gradient checked (a reduction bug changes it), the next step's loss check
 Matrix (world 6, fp32, Adam, clip 1.0, 3 steps): optimizer {plain, --use-distributed-optimizer,
 --data-parallel-sharding-strategy optim_grads_params} x reduction {per step, --overlap-grad-reduce,
 --layered-grad-accumulation}, each on a layout from {tp1 pp2 dp3, tp2 pp1 dp3, tp1 pp3 dp2} with small
-gradient buckets (several per chunk, none divisible by dp). Combinations the validator refuses are
-checked for the refusal and the flags it names.
+gradient buckets (several per chunk, most padded to a multiple of dp). Combinations the validator
+refuses are checked for the refusal and the flags it names. One-step cases at the same sizes compare
+every gradient tensor (the central test's `check`), for the executor's own reduction and for the
+layered reducer in two breadth-first groups at dp 3 under each sharding strategy.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def reference(preset, layers, gbs):
             for p in params:
                 p.grad.mul_(CLIP / (norm + 1e-6))
         optimizer.step()
-        out.append((float(loss), norm))
+        out.append((float(loss.detach()), norm))
     return out
 
 
@@ -179,3 +181,35 @@ def test_refused_combinations_name_their_flags(monkeypatch, flags, names):
     monkeypatch.setenv("WORLD_SIZE", str(WORLD))
     errors = validate_args(build_parser().parse_args(_argv("gpt-tiny", 4, 1, 3 * 2, flags)))
     assert len(errors) == 1 and all(name in errors[0] for name in names), errors
+
+
+# One step, every gradient tensor (the central test's criterion) at the same odd sizes: the executor's
+# own reduction at dp 3 and pp 3, and the optimizer's reducer with layered accumulation in two
+# breadth-first groups at dp 3 for each sharding strategy.
+ONE_STEP = [  # (preset, layers, tp, pp, schedule, m, v, sequence parallel, layout)
+    ("gpt-tiny", 5, 1, 2, "1f1b", 3, 1, False, {"first_stage_layers": 2}),  # dp 3
+    ("llama-tiny", 4, 2, 1, "1f1b", 2, 1, True, {}),  # tp 2 x dp 3
+    ("gpt-tiny", 4, 1, 3, "gpipe", 4, 1, False, {"last_stage_layers": 2}),  # pp 3 x dp 2, m 4
+    ("llama-tiny", 6, 1, 3, "interleaved-1f1b", 3, 2, False, {}),  # pp 3 x dp 2, v 2
+]
+
+
+@pytest.mark.parametrize("case", ONE_STEP, ids=lambda c: f"{c[0]}-L{c[1]}-tp{c[2]}-pp{c[3]}-{c[4]}-m{c[5]}-v{c[6]}")
+def test_one_step_gradients_at_odd_sizes(case):
+    from tests.schedules.test_exactness import MICRO_BATCH, _reference_cached, check, pipeline_run
+
+    preset, layers, tp, pp, name, m, v, sp, layout = case
+    results = run_distributed(WORLD, pipeline_run, preset, layers, tp, pp, name, m, v, sp, None, layout)
+    ref_loss, ref_grads = _reference_cached(preset, layers, MICRO_BATCH * m * WORLD // (tp * pp))
+    check(results, ref_loss, ref_grads, case)
+
+
+@pytest.mark.parametrize("sharding", ["no_shard", "optim", "optim_grads_params"])
+def test_one_step_layered_gradients_at_dp3(sharding):
+    from tests.schedules.test_exactness import MICRO_BATCH, _reference_cached, check, looped_run
+
+    pp, v, m, layers = 2, 2, 4, 4
+    options = {"breadth_first_microbatches": 2, "layered_grad_accumulation": True}  # two groups
+    results = run_distributed(WORLD, looped_run, "gpt-tiny", layers, pp, m, v, options, sharding)
+    ref_loss, ref_grads = _reference_cached("gpt-tiny", layers, MICRO_BATCH * m * WORLD // pp)
+    check(results, ref_loss, ref_grads, (sharding, "dp3"))
