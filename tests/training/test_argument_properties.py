@@ -109,6 +109,20 @@ def test_train_samples_become_whole_iterations(dp, mbs, samples):
     assert args.train_iters * gbs <= samples  # never more samples than asked for
 
 
+@PROPERTY
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 12))
+def test_layers_that_do_not_split_evenly_are_refused_by_flag(pp, v, layers):
+    argv = ["--num-layers", str(layers), "--pipeline-model-parallel-size", str(pp), "--train-iters", "1",
+            "--num-virtual-stages-per-pipeline-rank", str(v),
+            "--pipeline-schedule", "interleaved-1f1b" if v > 1 else "1f1b"]
+    errors, _ = errors_for(argv, pp)
+    layout = [e for e in errors if e.startswith("--num-layers")]
+    if layers % (pp * v):
+        assert layout and "pipeline stages" in layout[0], errors
+    else:
+        assert layout == [], errors
+
+
 def test_batch_refusal_at_dp3_names_the_flags():
     """The issue's example: divisible by the micro-batch size, not by micro-batch x dp."""
     errors, _ = errors_for(["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1"], 3)
