@@ -196,7 +196,8 @@ def _copy_tree(root: str, into: str) -> str:
 
 
 def _failed_test(output: str) -> Optional[str]:
-    match = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    # "FAILED tests/x.py::test[param with spaces] - message": the node id ends at " - ".
+    match = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.MULTILINE)
     return match.group(1) if match else None
 
 
