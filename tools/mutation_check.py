@@ -22,7 +22,6 @@ machine; `--sample N --seed S` runs a reproducible random subset.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os

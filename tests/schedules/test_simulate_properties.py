@@ -15,7 +15,7 @@ and test_bpipe.py, which time their transfer lanes by hand.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import pytest
 from hypothesis import given, settings
@@ -96,7 +96,7 @@ def replay(schedule, costs):
     else:
         raise AssertionError("the replay did not settle: the schedule waits in a cycle")
     makespan = max(clock for clock, _, _, _ in timed)
-    peaks, curves = [], []
+    curves = []
     for rank, (_, _, compute, _) in enumerate(timed):
         split = any(a.op is Op.BW for a in schedule.actions[rank])
         frees = Op.BW if split else Op.B

@@ -6,11 +6,12 @@ batch sizes: an accepted combination cuts every global batch into microbatches t
 [consumed, consumed + B) exactly once over the data-parallel replicas, with B the increment that
 `consumed_samples` records, and the schedule is built for that microbatch count (or refused by flag
 when pretrain builds it, before any data or model: the validator does not build schedules, which takes
-seconds at large m); a refused one names the flags. For random learning-rate flags: an accepted combination builds its `LRSchedule` (a refusal
-then would come only after the model is built) and the schedule keeps its invariants at every
-iteration of the run, boundaries included (zero warm-up, warm-up one short of the decay, one
-iteration). The multi-rank counterpart is tests/training/test_exactness_edges.py: a world of 6 trains
-three steps and matches a single process fed samples [i·B, (i+1)·B).
+seconds at large m); a refused one names the flags. For random learning-rate flags: an accepted
+combination builds its `LRSchedule` (a refusal then would come only after the model is built) and the
+schedule keeps its invariants at every iteration of the run, boundaries included (zero warm-up, warm-up
+one short of the decay, one iteration). The multi-rank counterpart is
+tests/training/test_exactness_edges.py: a world of 6 trains three steps and matches a single process
+fed samples [i·B, (i+1)·B).
 """
 from __future__ import annotations
 
