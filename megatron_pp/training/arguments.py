@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import inspect
 import os
@@ -591,9 +592,11 @@ def _check_sharding(args: argparse.Namespace, schedule: Optional[Schedule]) -> l
     if schedule is not None:
         from megatron_pp.schedules.runtime import runtime_needs
 
-        movers = [f"{what} ({source})" for what in ("host offload", "peer parking")
-                  if getattr(runtime_needs(schedule), what.replace(" ", "_"))
-                  for source in [schedule_source(args)]]
+        needs = runtime_needs(schedule)
+        source = " ".join([schedule_source(args)] + [f"{flag(n)} {getattr(args, n)}" for n in FILE_SCHEDULE_OPTIONS
+                                                     if getattr(args, n, None) is not None])
+        movers = [f"{what} ({source})" for what, needed in (("host offload", needs.host_offload),
+                                                            ("peer parking", needs.peer_parking)) if needed]
     else:
         movers = [flag(n) for n in ("offload_chunks", "offload_fraction") if getattr(args, n, None) is not None]
     return [f"--data-parallel-sharding-strategy optim_grads_params cannot be combined with {m}: stashes parked "
@@ -773,7 +776,22 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     errors += model_errors
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
+    if not errors:
+        errors += _check_lr_schedule(args)
     return errors
+
+
+def _check_lr_schedule(args: argparse.Namespace) -> list[str]:
+    """The LR schedule training will build, built now: the flag checks above do not cover every
+    combination it refuses (a WSD decay longer than what the warm-up leaves, sample-based lengths), and
+    its refusal in `pretrain` would come after the model and the datasets are built."""
+    from megatron_pp.training.optimizer import LRSchedule
+
+    try:
+        LRSchedule.from_args(derive_args(copy.copy(args)))
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 # Parsing ----------------------------------------------------------------------------------------------

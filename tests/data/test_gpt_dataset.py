@@ -180,3 +180,11 @@ def test_unwritable_cache_names_the_flag(corpus, tmp_path):
                                       r"choose a writable directory with --data-cache-path"):
         GPTDataset(indexed, SPLIT, 5, seq_length=SEQ, seed=0, options=BatchOptions(eod=-1), cache=cache,
                    split_name="train")
+
+
+def test_sample_index_refuses_a_split_without_tokens_and_takes_a_one_token_one():
+    with pytest.raises(ValueError, match="the split has no tokens"):
+        build_sample_index(np.array([0, 0]), num_samples=2, seq_length=4, seed=0)
+    # One token per epoch: 3 samples of 2 tokens (+1 for the last label) need 7 epochs of the document.
+    index = build_sample_index(np.array([1]), num_samples=3, seq_length=2, seed=0)
+    assert len(index["document_index"]) == 7 and len(index["sample_index"]) == 3 + 1

@@ -429,3 +429,15 @@ def test_recomputed_spans_offload_their_saved_inputs():
             store.release(0)
         grads.append((w.grad, x.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_a_store_that_offloads_nothing_reports_no_host_bytes():
+    """A rank whose list holds no OFFLOAD reports 0 host bytes, not a stale or initial figure."""
+    store = OffloadStore()
+    w, x = _model()
+    store.exclude([w])
+    with store.stash(0):
+        loss = _forward(w, x)
+    loss.backward()
+    store.release(0)
+    assert (store.peak_host_bytes, store.host_bytes, store.copied_bytes) == (0, 0, 0)

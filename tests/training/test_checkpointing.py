@@ -293,3 +293,11 @@ def test_schedule_state_and_rng_round_trip_through_the_api(tmp_path):
         assert torch.equal(a, b)
     again = draws()
     assert again[:2] == expected[:2] and torch.equal(again[2], expected[2]) and torch.equal(again[3], expected[3])
+
+
+def test_a_checkpoint_with_another_position_table_is_refused_in_one_line(tmp_path):
+    """Learned positions: the table's length is part of the model's shape (else a size-mismatch traceback)."""
+    ck = str(tmp_path / "ck")
+    _single(["--train-iters", "1", "--save", ck])
+    with pytest.raises(CheckpointError, match=r"num_positions 32 \(checkpoint\) vs 64 \(this run\)"):
+        _single(["--train-iters", "2", "--load", ck, "--max-position-embeddings", "64"])

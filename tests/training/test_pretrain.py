@@ -162,3 +162,12 @@ def _single_process_rows(argv):
     from megatron_pp.training.train import pretrain
 
     return pretrain(parse_args(argv))
+
+
+def test_exit_interval_without_save_stops_and_writes_nothing(tmp_path, monkeypatch):
+    """--exit-interval needs no --save: the run stops after that iteration with nothing to save."""
+    monkeypatch.chdir(tmp_path)
+    rows = _single_process_rows(["--model-preset", "gpt-tiny", *COMMON, "--global-batch-size", "2",
+                                 "--exit-interval", "2"])
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,354 @@
+"""Mutation check: plant small bugs in the modules that carry numbers and see whether the tests notice.
+
+    python tools/mutation_check.py --sample 12 --seed 1 --out docs/results/mutation.json
+    python tools/mutation_check.py --only megatron_pp/core/grads.py:253:25:cmp   # re-run chosen mutants
+    python tools/mutation_check.py --list                                         # count mutants per module
+    python tools/mutation_check.py --annotate docs/results/mutation.json --notes docs/results/mutation_notes.json
+
+Each mutant changes one spot of one module in a private copy of the repository (the working tree is
+never touched): a comparison flipped at its boundary (`<` <-> `<=`, `>` <-> `>=`, `==` <-> `!=`), an
+integer constant moved by +1 or -1, `and` <-> `or`, or a statement (a call, an assignment) replaced by
+`pass`. The tests that cover the module (`COVERING`) then run in a fresh pytest process with
+`-x`, under a per-mutant time limit; a failure or a time-out kills the mutant. Mutants inside
+f-strings, docstrings and annotations are not generated.
+
+The report (`--out`) has the integer fields `total`, `killed`, `equivalent` and `non_equivalent`
+(total minus equivalent; the score is killed / non_equivalent) and one entry per survivor: file:line,
+operator and the mutated line, plus what `--notes FILE` says about it, either `killed_by` (a test
+written since, checked with `--only`) or `equivalent` (why no test can tell the mutant from the
+original). A survivor without a note is listed as unexplained; `--annotate` applies new notes to a
+report without running anything. A full run takes hours on a small
+machine; `--sample N --seed S` runs a reproducible random subset.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
+
+EDGES = "tests/training/test_exactness_edges.py"
+# Module -> the tests that cover it (pytest arguments: files or node ids).
+COVERING: dict[str, list[str]] = {
+    "megatron_pp/schedules/generators.py": ["tests/schedules/test_generators.py", "tests/schedules/test_simulate.py"],
+    "megatron_pp/schedules/looped.py": ["tests/schedules/test_looped.py"],
+    "megatron_pp/schedules/gis.py": ["tests/schedules/test_gis.py"],
+    "megatron_pp/schedules/validate.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py"],
+    "megatron_pp/schedules/simulate.py": ["tests/schedules/test_simulate.py",
+                                          "tests/schedules/test_simulate_properties.py"],
+    "megatron_pp/schedules/execute.py": ["tests/schedules/test_exactness.py::test_exact_world2",
+                                         f"{EDGES}::test_one_step_gradients_at_odd_sizes"],
+    "megatron_pp/schedules/store.py": ["tests/schedules/test_offload_store.py",
+                                       "tests/schedules/test_exactness.py::test_measured_stash_peaks_match_simulator"],
+    "megatron_pp/schedules/offload_store.py": ["tests/schedules/test_offload_store.py",
+                                               "tests/schedules/test_offload_exec.py"],
+    "megatron_pp/schedules/peer_store.py": ["tests/schedules/test_bpipe_exec.py"],
+    "megatron_pp/core/grads.py": ["tests/core/test_grad_reduce.py", "tests/core/test_shards_dp3.py", EDGES],
+    "megatron_pp/core/distributed_optimizer.py": ["tests/training/test_optimizer.py", EDGES],
+    "megatron_pp/core/layered_grads.py": ["tests/core/test_layered_grads.py", EDGES],
+    "megatron_pp/core/sharded_weights.py": ["tests/core/test_sharded_weights.py", "tests/core/test_shards_dp3.py",
+                                            EDGES],
+    "megatron_pp/training/optimizer.py": ["tests/training/test_optimizer.py", "tests/training/test_loss_scaler.py",
+                                          "tests/training/test_argument_properties.py"],
+    "megatron_pp/training/layered.py": ["tests/schedules/test_looped_exec.py", EDGES],
+    "megatron_pp/training/train.py": ["tests/training/test_pretrain.py", EDGES],
+    "megatron_pp/training/arguments.py": ["tests/training/test_arguments.py",
+                                          "tests/training/test_argument_properties.py"],
+    "megatron_pp/training/checkpointing.py": ["tests/training/test_checkpointing.py"],
+    "megatron_pp/data/gpt_dataset.py": ["tests/data/test_gpt_dataset.py"],
+    "megatron_pp/data/blend.py": ["tests/data/test_blend.py"],
+}
+
+_FLIP = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
+         ast.Eq: ("==", "!="), ast.NotEq: ("!=", "==")}
+_OP_TOKEN = re.compile(r"<=|>=|==|!=|<|>")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    path: str
+    line: int
+    col: int
+    operator: str
+    """cmp, int+1, int-1, and/or, drop."""
+    start: int
+    """Character span of the source that is replaced."""
+    end: int
+    replacement: str
+    original: str
+    """The line as written."""
+    mutated: str
+    """The same line with the mutant applied (its first line, when the span covers several)."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}:{self.operator}"
+
+
+def _offsets(source: str) -> list[int]:
+    starts, total = [], 0
+    for line in source.splitlines(keepends=True):
+        starts.append(total)
+        total += len(line)
+    return starts + [total]
+
+
+def _skipped_nodes(tree: ast.AST) -> set[int]:
+    """ids of nodes inside f-strings, annotations and docstrings, where a mutant is no bug or no code."""
+    skipped: set[int] = set()
+
+    def skip(node: Optional[ast.AST]) -> None:
+        if node is not None:
+            skipped.update(id(n) for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            skip(node)
+        elif isinstance(node, (ast.AnnAssign, ast.arg)):
+            skip(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            skip(node.returns)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                skip(first)
+    return skipped
+
+
+def mutants_of(path: str, source: str) -> list[Mutant]:
+    """Every mutant of one module's source (`path` is how the report names it)."""
+    tree = ast.parse(source)
+    starts = _offsets(source)
+    skipped = _skipped_nodes(tree)
+
+    def pos(line: int, col: int) -> int:
+        return starts[line - 1] + col
+
+    out: list[Mutant] = []
+
+    def add(node: ast.AST, operator: str, start: int, end: int, replacement: str) -> None:
+        line = node.lineno
+        rest = source.find("\n", end)
+        mutated = source[starts[line - 1]:start] + replacement + source[end:len(source) if rest < 0 else rest]
+        out.append(Mutant(path, line, node.col_offset, operator, start, end, replacement,
+                          source[starts[line - 1]:starts[line]].rstrip("\n"), mutated.splitlines()[0]))
+
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _FLIP:
+            left_end = pos(node.left.end_lineno, node.left.end_col_offset)
+            right_start = pos(node.comparators[0].lineno, node.comparators[0].col_offset)
+            match = _OP_TOKEN.search(source, left_end, right_start)
+            old, new = _FLIP[type(node.ops[0])]
+            if match is not None and match.group() == old:
+                add(node, "cmp", match.start(), match.end(), new)
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
+            span = (pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset))
+            add(node, "int+1", *span, str(node.value + 1))
+            add(node, "int-1", *span, f"({node.value - 1})" if node.value == 0 else str(node.value - 1))
+        elif isinstance(node, ast.BoolOp):
+            old, new = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
+            a, b = node.values[0], node.values[1]
+            match = re.compile(rf"\b{old}\b").search(source, pos(a.end_lineno, a.end_col_offset),
+                                                      pos(b.lineno, b.col_offset))
+            if match is not None:
+                add(node, "and/or", match.start(), match.end(), new)
+        elif isinstance(node, (ast.Expr, ast.Assign, ast.AugAssign)) and not (
+                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            add(node, "drop", pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset), "pass")
+    out.sort(key=lambda m: (m.line, m.col, m.operator))
+    return out
+
+
+def apply(source: str, mutant: Mutant) -> str:
+    return source[:mutant.start] + mutant.replacement + source[mutant.end:]
+
+
+def all_mutants(root: str, modules: Sequence[str]) -> list[Mutant]:
+    out = []
+    for module in modules:
+        with open(os.path.join(root, module)) as f:
+            out += mutants_of(module, f.read())
+    return out
+
+
+def _copy_tree(root: str, into: str) -> str:
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "runs", "checkpoints")
+    dest = os.path.join(into, "repo")
+    shutil.copytree(root, dest, ignore=ignore)
+    return dest
+
+
+def _failed_test(output: str) -> Optional[str]:
+    # "FAILED tests/x.py::test[param with spaces] - message": the node id ends at " - ".
+    match = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def run_tests(repo: str, tests: Sequence[str], timeout: float) -> tuple[str, Optional[str], float]:
+    """('passed' | 'failed' | 'timeout', the first failing test, seconds) for `tests` run in `repo`."""
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    # A session of its own, so a time-out also ends the test's worker processes.
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "timeout", None, time.monotonic() - start
+    seconds = time.monotonic() - start
+    if proc.returncode == 0:
+        return "passed", None, seconds
+    if proc.returncode in (1, 2):  # test failures, or an import/collection error the mutant caused
+        lines = output.strip().splitlines()
+        return "failed", _failed_test(output) or (lines[-1] if lines else None), seconds
+    raise RuntimeError(f"pytest exited {proc.returncode} on {' '.join(tests)}:\n{output[-2000:]}")
+
+
+def check(root: str, mutants: Sequence[Mutant], timeout: float, log=print) -> list[dict]:
+    """Run each mutant's covering tests in a private copy of `root`; one result dict per mutant."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mutation-") as scratch:
+        repo = _copy_tree(root, scratch)
+        for n, mutant in enumerate(mutants, 1):
+            target = os.path.join(repo, mutant.path)
+            with open(target) as f:
+                original = f.read()
+            mutated = apply(original, mutant)
+            try:
+                ast.parse(mutated)
+            except SyntaxError:
+                results.append({**_describe(mutant), "outcome": "invalid"})
+                continue
+            with open(target, "w") as f:
+                f.write(mutated)
+            try:
+                outcome, test, seconds = run_tests(repo, COVERING[mutant.path], timeout)
+            finally:
+                with open(target, "w") as f:
+                    f.write(original)
+            results.append({**_describe(mutant), "outcome": "survived" if outcome == "passed" else outcome,
+                            "killed_by_suite": test, "seconds": round(seconds, 1)})
+            log(f"[{n}/{len(mutants)}] {mutant.id}: {results[-1]['outcome']} ({seconds:.0f} s)")
+    return results
+
+
+def _describe(mutant: Mutant) -> dict:
+    return {"id": mutant.id, "where": f"{mutant.path}:{mutant.line}", "operator": mutant.operator,
+            "original": mutant.original.strip(), "mutant": mutant.mutated.strip()}
+
+
+def report(results: Sequence[dict], notes: dict, command: str) -> dict:
+    """The JSON report: counts, and every survivor with its note (killed_by or equivalent)."""
+    valid = [r for r in results if r["outcome"] != "invalid"]
+    killed = [r for r in valid if r["outcome"] in ("failed", "timeout")]
+    survivors = [{k: r[k] for k in ("id", "where", "operator", "original", "mutant")}
+                 for r in valid if r["outcome"] == "survived"]
+    summary = {
+        "command": command,
+        "total": len(valid),
+        "killed": len(killed),
+        "survivors": survivors,
+        "killed_mutants": [{"id": r["id"], "by": r["killed_by_suite"] or r["outcome"]} for r in killed],
+    }
+    return annotate(summary, notes)
+
+
+def annotate(summary: dict, notes: dict) -> dict:
+    """`summary` (a report) with its survivors' notes replaced by `notes` and the counts redone."""
+    survivors = []
+    for s in summary["survivors"]:
+        entry = {k: s[k] for k in ("id", "where", "operator", "original", "mutant")}
+        note = notes.get(s["id"], {})
+        if "killed_by" in note:
+            entry["killed_by"] = note["killed_by"]
+        elif "equivalent" in note:
+            entry["equivalent"] = note["equivalent"]
+        else:
+            entry["unexplained"] = True
+        survivors.append(entry)
+    equivalent = sum(1 for s in survivors if "equivalent" in s)
+    return {**summary, "equivalent": equivalent, "non_equivalent": summary["total"] - equivalent,
+            "survivors": survivors}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = ExitingArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", nargs="*", default=None, help="Modules to mutate (default: all of COVERING).")
+    parser.add_argument("--sample", type=int, default=None, metavar="N", help="Run N mutants drawn at random.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of --sample's draw.")
+    parser.add_argument("--only", nargs="*", default=None, metavar="ID", help="Run just these mutant ids.")
+    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds per mutant before it counts as killed.")
+    parser.add_argument("--notes", default=None, metavar="FILE",
+                        help="JSON: mutant id -> {killed_by: test} or {equivalent: why}, for the survivors.")
+    parser.add_argument("--out", default=None, metavar="FILE", help="Write the JSON report here.")
+    parser.add_argument("--list", action="store_true", help="Print the number of mutants per module and stop.")
+    parser.add_argument("--annotate", default=None, metavar="REPORT",
+                        help="Run nothing: apply --notes to the survivors of REPORT and rewrite it.")
+    args = parser.parse_args(argv)
+    modules = args.modules if args.modules is not None else sorted(COVERING)
+    unknown = [m for m in modules if m not in COVERING]
+    if unknown:
+        parser.error(f"--modules {unknown[0]}: no covering tests known; one of {', '.join(sorted(COVERING))}")
+    if args.sample is not None and args.sample < 1:
+        parser.error(f"--sample must be >= 1, got {args.sample}")
+    notes = {}
+    if args.notes is not None:
+        try:
+            with open(args.notes) as f:
+                notes = json.load(f)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--notes {args.notes}: {exc}")
+    if args.annotate is not None:
+        try:
+            with open(args.annotate) as f:
+                summary = annotate(json.load(f), notes)
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--annotate {args.annotate}: {exc!r}")
+        write_json(args.annotate, summary)
+        return 0
+    mutants = all_mutants(ROOT, modules)
+    if args.list:
+        for module in modules:
+            print(f"{sum(1 for m in mutants if m.path == module):5d}  {module}")
+        print(f"{len(mutants):5d}  total")
+        return 0
+    if args.only is not None:
+        by_id = {m.id: m for m in mutants}
+        missing = [i for i in args.only if i not in by_id]
+        if missing:
+            parser.error(f"--only {missing[0]}: no such mutant (see --list and the report's ids)")
+        mutants = [by_id[i] for i in args.only]
+    elif args.sample is not None:
+        mutants = sorted(random.Random(args.seed).sample(mutants, min(args.sample, len(mutants))),
+                         key=lambda m: (m.path, m.line, m.col, m.operator))
+    results = check(ROOT, mutants, args.timeout)
+    command = "python tools/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    summary = report(results, notes, command)
+    print(f"{summary['killed']} of {summary['non_equivalent']} non-equivalent mutants killed "
+          f"({summary['equivalent']} equivalent, {len(summary['survivors'])} survived)")
+    if args.out:
+        write_json(args.out, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
