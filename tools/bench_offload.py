@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _ROOT = Path(__file__).resolve().parents[1]
@@ -56,24 +56,7 @@ from megatron_pp.schedules.offload import (full_offload_is_free, k_from_formula,
                                            offload_time_from_k)
 from megatron_pp.schedules.registry import build_schedule  # noqa: E402
 from megatron_pp.schedules.store import ActivationStore  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], None], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from megatron_pp.training.offload_probe import median_seconds, sync  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> dict:
@@ -82,8 +65,8 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> dict:
     on_cuda = device.type == "cuda"
     host = torch.empty(n, dtype=torch.uint8, pin_memory=on_cuda)
     dev = torch.empty(n, dtype=torch.uint8, device=device)
-    d2h = _median_time(lambda: host.copy_(dev, non_blocking=on_cuda), device, repeats)
-    h2d = _median_time(lambda: dev.copy_(host, non_blocking=on_cuda), device, repeats)
+    d2h = median_seconds(lambda: host.copy_(dev, non_blocking=on_cuda), device, repeats, warmup=2)
+    h2d = median_seconds(lambda: dev.copy_(host, non_blocking=on_cuda), device, repeats, warmup=2)
     return {"bytes": n, "d2h_bytes_per_s": n / d2h, "h2d_bytes_per_s": n / h2d,
             "kind": "pinned PCIe copy" if on_cuda else "host-to-host memcpy (CPU only, not PCIe)"}
 
@@ -110,7 +93,7 @@ def measure_layer(hidden: int, seq: int, device: torch.device, dtype: torch.dtyp
     def step() -> None:
         layer(x, batch).backward(grad)
 
-    t = _median_time(step, device, repeats)
+    t = median_seconds(step, device, repeats, warmup=2)
     store = ActivationStore(list(layer.parameters()) + list(layer.buffers()))
     with store.stash(0):
         y = layer(x, batch)
@@ -147,12 +130,12 @@ def paired_steps(entries: Sequence[tuple[str, str, dict]], hidden: int, seq: int
             executor, chunks, _ = executors[label]
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             result = executor.run(batches, scale)
-            _sync(device)
+            sync(device)
             if round_:
                 times[label].append(time.perf_counter() - start)
             peaks[label] = result.peak_stash_bytes

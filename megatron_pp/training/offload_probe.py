@@ -40,19 +40,22 @@ class OffloadProbe:
         return self.stash_bytes / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: kernels chosen, allocator primed
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `fn()` over `repeats` calls after `warmup` untimed ones (kernels chosen, allocator
+    primed), the device synchronised around each call."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -80,7 +83,7 @@ def measure_offload_time(config: TransformerConfig, micro_batch_size: int, devic
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, rotary, None, None)
     stash_bytes = max(sum(saved.values()), 1)
-    forward_s = _median_seconds(lambda: layer(x, rotary, None, None), device, repeats)
+    forward_s = median_seconds(lambda: layer(x, rotary, None, None), device, repeats)
 
     source = torch.empty(stash_bytes, dtype=torch.uint8, device=device)
     host = torch.empty(stash_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -94,6 +97,6 @@ def measure_offload_time(config: TransformerConfig, micro_batch_size: int, devic
     else:
         def copy() -> None:
             host.copy_(source)
-    copy_s = _median_seconds(copy, device, repeats)
+    copy_s = median_seconds(copy, device, repeats)
     ratio = comm.all_reduce(torch.tensor([copy_s / max(forward_s, 1e-9)], dtype=torch.float64), op="max")
     return OffloadProbe(stash_bytes, forward_s, copy_s, float(ratio))

@@ -153,15 +153,21 @@ def _reference_grads():
     return w.grad, x.grad
 
 
-def test_freed_only_after_the_copy_out_and_read_only_after_the_copy_back():
-    engine = DeferredCopies()
-    store = OffloadStore(copies=engine)
+def _stash_one(store: OffloadStore):
+    """Stash 0 planned for offload: the forward y = tanh(x @ w) and its loss, w excluded as a parameter."""
     w, x = _model()
     store.exclude([w])
     store.plan([0])
     with store.stash(0):
-        y = torch.tanh(x @ w)  # saves x (the caller's own: private) and y (autograd's alone)
+        y = torch.tanh(x @ w)
         loss = (y * y).sum()
+    return w, x, y, loss
+
+
+def test_freed_only_after_the_copy_out_and_read_only_after_the_copy_back():
+    engine = DeferredCopies()
+    store = OffloadStore(copies=engine)
+    w, x, y, loss = _stash_one(store)  # saves x (the caller's own: private) and y (autograd's alone)
     y_alive = weakref.ref(y)
     del y
     resident = store.live_bytes
@@ -195,12 +201,7 @@ def test_an_engine_that_keeps_its_sources_lets_the_store_free_on_issue():
     finished; the reload follows the copy out, and the gradients are exact."""
     engine = StreamCopies()
     store = OffloadStore(copies=engine)
-    w, x = _model()
-    store.exclude([w])
-    store.plan([0])
-    with store.stash(0):
-        y = torch.tanh(x @ w)
-        loss = (y * y).sum()
+    w, x, y, loss = _stash_one(store)
     y_storage = y.untyped_storage().data_ptr()
     del y
     store.offload(0)
