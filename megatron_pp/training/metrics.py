@@ -5,7 +5,9 @@ logging rank only. Every sink gets every row: the `--metrics-file` JSONL file, T
 (`--tensorboard-dir`) and wandb (`--wandb-project`), all keyed by the row's own names so the three agree
 with each other and with `tools/compare_runs.py`. The console gets a Megatron-style line every
 `--log-interval` iterations, averaged over the interval, and, only when stdout is a terminal, a
-progress bar kept below the lines. Training rows carry `loss`; evaluation rows carry `eval_loss` and
+progress bar kept below the lines. TensorBoard takes Megatron-LM's names for the scalars it shares with it
+(`lm loss`, `learning-rate`, `grad-norm`, `iteration-time`, ...), so dashboards built for Megatron-LM runs
+show ours. A fresh run starts `--metrics-file` anew; a resumed one keeps the rows up to its checkpoint. Training rows carry `loss`; evaluation rows carry `eval_loss` and
 `eval_ppl` instead, so a reader can tell them apart by key.
 
 wandb is imported only when asked for and runs offline unless `WANDB_API_KEY` is set and `WANDB_MODE`
@@ -147,6 +149,20 @@ class ProgressBar:
 # Sinks ------------------------------------------------------------------------------------------------
 
 
+MEGATRON_TENSORBOARD_NAMES = {
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "step_time_s": "iteration-time",
+    "loss_scale": "loss-scale",
+    "global_batch_size": "batch-size",
+    "eval_loss": "lm loss validation",
+    "eval_ppl": "lm loss validation ppl",
+}
+"""Row keys that Megatron-LM writes to TensorBoard under another name: dashboards built for its runs read ours.
+The other keys keep the row's own names (`tokens_per_s`, `mfu`, `peak_stash_bytes/pp0`, ...)."""
+
+
 class TensorBoardSink:
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
@@ -155,7 +171,7 @@ class TensorBoardSink:
 
     def write(self, row: Row) -> None:
         for key, value in flatten_row(row).items():
-            self.writer.add_scalar(key, value, row["iteration"])
+            self.writer.add_scalar(MEGATRON_TENSORBOARD_NAMES.get(key, key), value, row["iteration"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -182,6 +198,30 @@ class WandbSink:
         self.run.finish()
 
 
+def open_metrics_file(path: str, resumed_at: Optional[int]) -> IO[str]:
+    """The `--metrics-file` to append this run's rows to.
+
+    A fresh run (`resumed_at` None) starts the file anew, so `tools/compare_runs.py` never reads two runs as
+    one. A run resumed from the checkpoint of iteration N keeps the rows up to N and drops later ones (steps
+    that ran after that checkpoint and will run again), rewritten atomically, then appends."""
+    if resumed_at is None or not os.path.exists(path):
+        return open(path, "w")
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                iteration = json.loads(line).get("iteration")
+            except (json.JSONDecodeError, AttributeError):
+                continue  # a line cut by a crash
+            if isinstance(iteration, int) and iteration <= resumed_at:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return open(path, "a")
+
+
 class MetricsLogger:
     """Every sink the arguments ask for, fed one row at a time by the logging rank."""
 
@@ -198,13 +238,14 @@ class MetricsLogger:
         wandb_save_dir: Optional[str] = None,
         run_config: Optional[Mapping[str, Any]] = None,
         stream: Optional[IO[str]] = None,
+        resumed_at: Optional[int] = None,
     ) -> None:
         self.train_iters = train_iters
         self.log_interval = log_interval
         self.log_throughput = log_throughput
         self.stream = stream if stream is not None else sys.stdout
         self._pending: list[Row] = []
-        self._file = open(metrics_file, "a") if metrics_file else None
+        self._file = open_metrics_file(metrics_file, resumed_at) if metrics_file else None
         self._sinks: list[Any] = []
         try:
             if tensorboard_dir:

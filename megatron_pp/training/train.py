@@ -169,6 +169,7 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
                 metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
                 wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
                 wandb_save_dir=args.wandb_save_dir, run_config=loggable_settings(vars(args)),
+                resumed_at=trainer.progress.iteration if trainer.progress.iteration > 0 else None,
             )
             trainer.attach_logger(logger)
             logger.start(trainer.progress.iteration)

@@ -91,8 +91,10 @@ def test_tensorboard_scalars(tmp_path):
     assert glob.glob(str(tmp_path / "events.out.tfevents.*"))
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0), (2, 2.5)]
-    assert [(e.step, e.value) for e in events.Scalars("eval_loss")] == [(2, 2.75)]
+    # Megatron-LM's names where it has the scalar, so its dashboards read our runs.
+    assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 3.0), (2, 2.5)]
+    assert [(e.step, e.value) for e in events.Scalars("lm loss validation")] == [(2, 2.75)]
+    assert {"learning-rate", "grad-norm", "iteration-time"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("peak_stash_bytes/pp1")] == [2.0**21, 2.0**21]
     assert "peak_memory_bytes" not in " ".join(events.Tags()["scalars"])  # None: nothing written
 
@@ -167,3 +169,16 @@ def test_evaluation_through_a_tensor_and_pipeline_parallel_pipeline_matches_one_
     assert len(pipelined) == len(reference) == 2
     for got, want in zip(pipelined, reference):
         assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_metrics_file_starts_anew_unless_resumed(tmp_path):
+    from megatron_pp.training.metrics import open_metrics_file
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)) + '{"iterat')
+    with open_metrics_file(str(path), resumed_at=2) as f:  # resumed from the checkpoint of iteration 2
+        f.write(json.dumps({"iteration": 3, "loss": 0.5}) + "\n")
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    with open_metrics_file(str(path), resumed_at=None):  # a fresh run
+        pass
+    assert path.read_text() == ""
