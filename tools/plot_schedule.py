@@ -34,7 +34,8 @@ if str(_ROOT) not in sys.path:
 from megatron_pp.cli import OneLineArgumentParser, UsageError, write_json  # noqa: E402
 from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule  # noqa: E402
 from megatron_pp.schedules.plugins import add_plugin_flag, load_plugins  # noqa: E402
-from megatron_pp.schedules.registry import build_schedule, get_schedule, registered_schedules  # noqa: E402
+from megatron_pp.schedules.registry import (build_schedule, get_schedule, registered_schedules,  # noqa: E402
+                                           schedule_options)
 from megatron_pp.schedules.schedule_file import (FILE_SCHEDULE_OPTIONS, build_schedule_from_file,  # noqa: E402
                                                  schedule_to_json)
 from megatron_pp.schedules.simulate import DEFAULT_TRANSFER, CostModel, SimResult, simulate  # noqa: E402
@@ -53,10 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of --schedule: torch's compute-only CSV or our JSON (docs/plugins.md); p, m and v "
                              "come from the file (--pp/--microbatches/--chunks, when given, must agree)")
     add_plugin_flag(parser)
-    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks p (required with --schedule/--compare)")
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=None,
+                        help="pipeline ranks p (required with --schedule/--compare)")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per step m (required with --schedule/--compare)")
-    parser.add_argument("--chunks", type=int, default=None, help="model chunks per rank v (default 1)")
+    parser.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=None,
+                        help="model chunks per rank v (default 1)")
+    # The schedules' own option flags, as the training scripts take them, so a run's flags can be pasted.
+    for option in schedule_options():
+        if option.flag == "--offload-time":  # this tool's own flag: it also times the copies
+            continue
+        if option.type is bool:
+            parser.add_argument(option.flag, dest=f"option_{option.name}", action=argparse.BooleanOptionalAction,
+                                default=None, help=option.help)
+        else:
+            parser.add_argument(option.flag, dest=f"option_{option.name}", type=option.type, default=None,
+                                help=option.help)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="schedule option, repeatable (e.g. microbatch_group_size=4); VALUE is read as JSON "
                              "when it parses, else as a string")
@@ -111,6 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.pipeline_schedule_file is None and (args.pp is None or args.microbatches is None):
             raise UsageError("--pp and --microbatches are required with --schedule and --compare")
         options = _parse_options(args.option)
+        for option in schedule_options():
+            value = getattr(args, f"option_{option.name}", None)
+            if value is not None:
+                if option.name in options and options[option.name] != value:
+                    raise UsageError(f"{option.flag} {value} and --option {option.name}={options[option.name]} disagree")
+                options[option.name] = value
         costs = CostModel(forward=args.forward_time, backward=args.backward_time, p2p_latency=args.p2p_latency,
                           stage_weights=_parse_weights(args.stage_weights), transfer=args.offload_time)
         runs = []

@@ -71,3 +71,19 @@ def test_command_line_exit_status_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == "plot_schedule.py: error: num_ranks must be a positive int, got -1\n"
     assert proc.stdout == ""
+
+
+def test_the_training_flags_of_a_run_can_be_pasted(tmp_path):
+    """The flags a user trains with draw their run: --pipeline-model-parallel-size,
+    --num-virtual-stages-per-pipeline-rank and each schedule option's own flag."""
+    js = tmp_path / "s.json"
+    argv = ["--schedule", "gis", "--pipeline-model-parallel-size", "4", "--microbatches", "8",
+            "--num-virtual-stages-per-pipeline-rank", "2", "--interleave-group-size", "2", "--offload-chunks", "1",
+            "--json", str(js)]
+    assert plot_schedule.main(argv) == 0
+    record = json.loads(js.read_text())
+    expected = build_schedule("gis", 4, 8, 2, interleave_group_size=2, offload_chunks=1)
+    assert record["actions"] == [[str(a) for a in acts] for acts in expected.actions]
+    clash = ["--schedule", "gis", "--pp", "4", "--microbatches", "8", "--chunks", "2", "--interleave-group-size", "2",
+             "--option", "interleave_group_size=3", "--json", str(js)]
+    assert plot_schedule.main(clash) == 2
