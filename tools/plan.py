@@ -23,10 +23,10 @@ from megatron_pp.models.presets import configured_preset, preset_names  # noqa: 
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
+from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster, Configuration, Job,  # noqa: E402
+                                          Plan, Planner, Prediction, equivalence_key, launch_command,
+                                          launch_flags, summary_row)
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
-from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster, Job, Plan, Planner,  # noqa: E402
-                                          Prediction, equivalence_key, launch_command,
-                                          summary_row)
 
 
 SKIP_REASONS = 5
@@ -116,6 +116,30 @@ def header(plan: Plan, seconds: float) -> list[str]:
     return lines
 
 
+def refusal(job: Job, cluster: Cluster, c: Configuration) -> Optional[str]:
+    """The training script's own argument check on the flags this configuration prints (with mock data and
+    one iteration standing in for the data and length flags the user adds), at the cluster's world size:
+    the first error, or None when `pretrain_gpt.py` would start. The same function the script runs."""
+    from megatron_pp.training.arguments import build_parser, validate_args
+
+    flags = launch_flags(job, c) + ["--mock-data", "--train-iters", "1"]
+    errors = validate_args(build_parser().parse_args(flags), world_size=cluster.num_gpus)
+    return errors[0] if errors else None
+
+
+def runnable(plan: Plan, rows: list[tuple[Prediction, int]]) -> tuple[list[tuple[Prediction, int]], list[str]]:
+    """The rows whose printed flags pass the training script's check, and a line per row that does not."""
+    kept, refused = [], []
+    for row in rows:
+        reason = refusal(plan.job, plan.cluster, row[0].configuration)
+        if reason is None:
+            kept.append(row)
+        else:
+            c = row[0].configuration
+            refused.append(f"{c.schedule} tp{c.tp} pp{c.pp} dp{c.dp} mbs{c.micro_batch_size}: {reason}")
+    return kept, refused
+
+
 def distinct(ranked: list[Prediction]) -> list[tuple[Prediction, int]]:
     """One row per `equivalence_key` class (its best-ranked member) with the number of members folded in."""
     rows: dict[tuple, list] = {}
@@ -155,12 +179,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         planner = build(args)
         plan = planner.plan(top=args.top, fold=True)
-        rows = distinct(plan.ranked)
+        # Every printed row must start: checked with the training script's own argument validation.
+        rows, refused = runnable(plan, distinct(plan.ranked))
         commands = [launch_command(plan.job, plan.cluster, p.configuration) for p, _ in rows[:args.commands]]
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     lines = header(plan, time.perf_counter() - started)
+    lines += [f"  left out (pretrain_gpt.py would refuse its flags): {line}" for line in refused]
     if not plan.ranked:
         lines.append("nothing fits: more GPUs, more memory, a shorter sequence or a smaller global batch")
         print("\n".join(lines))
@@ -172,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n".join(lines))
     if args.json:
         rows = [{**summary_row(p), "command": launch_command(plan.job, plan.cluster, p.configuration)}
-                for p in plan.ranked]
+                for p in plan.ranked if refusal(plan.job, plan.cluster, p.configuration) is None]
         write_json(args.json, {"command": "python tools/plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
                                "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows})
     return 0

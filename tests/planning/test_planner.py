@@ -302,3 +302,24 @@ def test_tensor_parallel_collectives_take_the_numerics_bytes_and_a_latency():
     assert tp_communication_s(fp32, 3, slow) == pytest.approx(2 * (1e-3 + 4 * ring))
     assert tp_communication_s(LayerShape.from_config(config, 1), 3, slow) == 0.0
     assert fp32.compute_key() == bf16.compute_key()  # one measured layer curve serves both
+
+
+def test_cli_prints_only_rows_the_training_script_accepts(capsys, monkeypatch):
+    """The tool checks every row it prints with pretrain_gpt.py's own validate_args: a row the script would
+    refuse is left out with the script's reason."""
+    from megatron_pp.training import arguments
+
+    original = arguments.validate_args
+
+    def refusing_tp2(args, world_size=None):
+        errors = original(args, world_size)
+        return errors + (["--tensor-model-parallel-size 2: refused for this test"]
+                         if args.tensor_model_parallel_size == 2 else [])
+
+    monkeypatch.setattr(arguments, "validate_args", refusing_tp2)
+    argv = ["--model-preset", "gpt3-350m", "--global-batch-size", "16", "--num-gpus", "4", "--gpu-memory-gb", "24",
+            "--max-micro-batch-size", "2", "--top", "40", "--commands", "40", "--schedules", "1f1b"]
+    assert plan_tool.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "left out (pretrain_gpt.py would refuse its flags): 1f1b tp2" in text
+    assert "--tensor-model-parallel-size 2 " not in text and "--tensor-model-parallel-size 4 " in text
