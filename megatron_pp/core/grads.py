@@ -282,6 +282,11 @@ class GradientReducer:
         # Kept so that `close()` can remove them: a hook holds the reducer, which holds the parameters, so
         # without removal a model and its buffers outlive their job in a process that trains again.
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for _, p in order]
+        # A split backward's BW adds a deferred weight gradient to `.grad` itself, outside autograd, and
+        # reports it here (tensor_parallel.layers.WeightGradStore) as the hook would have.
+        self._grad_added = [p for _, p in order]
+        for p in self._grad_added:
+            p.grad_added = functools.partial(self._on_grad_accumulated, p)
         self._low_precision = [p for _, p in order if p.dtype != GRAD_DTYPE]
         for p in self._low_precision:
             p.main_grad = self._views[id(p)]
@@ -293,6 +298,11 @@ class GradientReducer:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        for p in self._grad_added:
+            notify = getattr(p, "grad_added", None)
+            if isinstance(notify, functools.partial) and notify.func == self._on_grad_accumulated:
+                del p.grad_added
+        self._grad_added.clear()
         for p in self._low_precision:
             if getattr(p, "main_grad", None) is self._views[id(p)]:  # not since taken over by another reducer
                 del p.main_grad, p.main_grad_added

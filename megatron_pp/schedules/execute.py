@@ -10,14 +10,13 @@ Per (microbatch, local chunk) the executor keeps the chunk's input (a leaf requi
 gradient of that output once received. A chunk whose neighbour stage sits on the same rank hands
 tensors over in memory instead of communicating.
 
-Split backward (BI, BW) and the stash: BI runs the chunk's whole backward, input and weight gradients in
-one autograd pass, and BW only releases the stash. The GIS/PO schedules always put BW right after its BI,
-so this is exact (the very same autograd call as B) and costs nothing extra; computing the input gradient
-alone (`torch.autograd.grad(out, x, retain_graph=True)`) and then the weight gradients would re-run the
-whole backward chain a second time (≈ 1.5× the backward's work), and deferring only the weight-gradient
-GEMMs needs the linear layers to cooperate. The price is that BI's measured time holds the weight
-gradients too: give the simulator measured costs (BI = t_B, BW ≈ 0) when comparing with a trace. The
-stash counts as live until BW, as the schedule says.
+Split backward (BI, BW) and the stash: for a (microbatch, chunk) whose list has a BW, the forward and the
+BI run inside `tensor_parallel.layers.deferring_weight_grads`, so BI computes the input gradient (sent
+upstream at once) and the cheap norm, bias and embedding gradients, while the linear layers' weight GEMMs
+wait in `weight_grads` with the output gradients they need; BW runs them (accumulating as autograd would,
+into `.grad` or the fp32 `main_grad`, and telling the gradient reducer) and releases the stash. The stash
+counts as live until BW, and what BI leaves for BW (those output gradients) is counted in it. Unsplit B
+is one autograd call, as before.
 
 Stash transfers: when the list has OFFLOAD actions the executor uses an `OffloadStore` (unless a store
 is passed) and tells it which stashes will move; OFFLOAD hands it the stash plus the tensors that must
@@ -43,6 +42,7 @@ replicas then equal the gradient of the global per-token mean, exactly as one pr
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from megatron_pp.core.p2p import PipelineComm, Transfer, release_storage
+from megatron_pp.core.tensor_parallel.layers import WeightGradStore, deferring_weight_grads
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore
 from megatron_pp.schedules.peer_store import prepare_store
@@ -130,6 +131,9 @@ class PipelineExecutor:
             Op.OFFLOAD: self._offload, Op.RELOAD: self._reload, Op.EVICT: self._evict, Op.LOAD: self._load,
         }
         self.handlers[Op.REDUCE_GRAD] = self._reduce_grad
+        # (microbatch, chunk) keys whose backward the list splits: their weight-gradient GEMMs wait for BW.
+        self._split = {(a.microbatch, a.chunk) for a in self.actions if a.op is Op.BW}
+        self.weight_grads = WeightGradStore()
         self.reduce_grad_hook: Optional[Callable[[int], None]] = None
         """Called by REDUCE_GRAD.c with the local chunk c to start that chunk's data-parallel reduction;
         training sets it to its gradient reducer's `reduce_chunk` (schedules never import training). While
@@ -255,7 +259,7 @@ class PipelineExecutor:
         x = None
         if self._prev[c] is not None:
             x = self._take(self._inputs, key).requires_grad_()
-        with self.store.stash(key):
+        with self.store.stash(key), self._deferring(key):
             y = self.chunks[c](x, batch)
             if self._is_last[c]:
                 mask = batch["loss_mask"]
@@ -293,12 +297,21 @@ class PipelineExecutor:
         self.store.release((action.microbatch, action.chunk))
 
     def _backward_input(self, action: Action) -> None:
-        # The whole backward (see the module docstring); its input gradient can be sent right after.
-        self._backward_pass(action)
+        # The input gradient (and the cheap norm, bias and embedding gradients); the linear layers' weight
+        # GEMMs are held for BW. Its input gradient can be sent right after.
+        key = (action.microbatch, action.chunk)
+        with self._deferring(key):
+            self._backward_pass(action)
+        self.store.hold(key, self.weight_grads.held(key))  # the output gradients BW still needs
 
     def _backward_weight(self, action: Action) -> None:
-        # BI already accumulated the weight gradients; the stash lives until here, as scheduled.
-        self.store.release((action.microbatch, action.chunk))
+        key = (action.microbatch, action.chunk)
+        self.weight_grads.run(key)
+        self.store.release(key)
+
+    def _deferring(self, key: tuple[int, int]):
+        """The weight-gradient deferral of `key` when its backward is split, else nothing."""
+        return deferring_weight_grads(self.weight_grads, key) if key in self._split else contextlib.nullcontext()
 
     def _backward_pass(self, action: Action) -> None:
         mb, c = action.microbatch, action.chunk

@@ -71,6 +71,17 @@ class ActivationStore:
             self._current = None
         self._note_peak()
 
+    def hold(self, key: Hashable, tensors: Iterable[torch.Tensor]) -> None:
+        """Count `tensors` (made after the forward, e.g. the output gradients a split backward keeps for
+        its BW) as part of live stash `key` until it is released."""
+        stash = self.live[key]
+        for t in tensors:
+            ptr, nbytes = _storage_key(t)
+            if ptr not in stash.storages and nbytes > 0:
+                stash.storages[ptr] = nbytes
+                self.live_bytes += nbytes
+        self._note_peak()
+
     def release(self, key: Hashable) -> None:
         """The backward of `key` has run: its saved tensors are gone."""
         stash = self.live.pop(key)

@@ -315,4 +315,4 @@ def test_plot_tool_compares_memory_curves_and_times_transfers(tmp_path):
 def test_plot_tool_needs_exactly_one_of_schedule_and_compare(tmp_path, capsys):
     tool = _plot_tool()
     assert tool.main(["--pp", "2", "--microbatches", "2", "--out", str(tmp_path / "x.png")]) == 2
-    assert "give exactly one of --schedule and --compare" in capsys.readouterr().err
+    assert "give exactly one of --schedule, --compare and --pipeline-schedule-file" in capsys.readouterr().err

@@ -12,8 +12,9 @@ conversion, gradient-norm computation and tests can find the full tensor again w
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +144,87 @@ def add_to_main_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tens
     weight.main_grad_added()
 
 
+# Weight gradients deferred from BI to BW (split backward) --------------------------------------------------
+
+# Zero-bubble schedules split a chunk's backward in two: BI computes the gradient the previous stage needs
+# (the chunk input's) and BW, later, the weight gradients, whose GEMMs then fill pipeline bubbles. While a
+# `deferring_weight_grads(store, key)` block is active (the executor opens one around the forward and the
+# BI of each (microbatch, chunk) whose list splits the backward), the linear layers below build their
+# product on a detached weight, so autograd computes no weight gradient, and their backward hands
+# (weight, grad_output, input) to `store` under `key`; `store.run(key)` (BW) computes the GEMMs, with the
+# sequence-parallel gather they need, and accumulates them as autograd would have: into `.grad`, or into
+# the fp32 `main_grad`, telling the gradient reducer through the parameter's `grad_added` /
+# `main_grad_added`. Norm, bias and embedding gradients stay in BI (cheap, and not GEMMs).
+
+
+class _DeferredGemm:
+    """One layer's weight-gradient GEMM of one microbatch, held until BW."""
+
+    def __init__(self, weight: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor, group: Optional[ProcessGroup],
+                 sequence_parallel: bool) -> None:
+        self.weight, self.grad_out, self.x = weight, grad_out.detach(), x.detach()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def run(self) -> None:
+        total = all_gather(self.x, 0, self.group) if self.sequence_parallel else self.x
+        weight = self.weight
+        if folds_into_main_grad(weight):
+            add_to_main_grad(weight, self.grad_out, total)
+            return
+        g = self.grad_out.reshape(-1, self.grad_out.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
+        if weight.grad is None:
+            weight.grad = g.to(weight.dtype)
+        else:
+            weight.grad.add_(g)
+        notify = getattr(weight, "grad_added", None)
+        if notify is not None:  # a GradientReducer counts this contribution (autograd's hook did not run)
+            notify()
+
+
+class WeightGradStore:
+    """Weight-gradient GEMMs deferred by BI, by (microbatch, chunk) key, until that key's BW runs them."""
+
+    def __init__(self) -> None:
+        self._pending: dict[object, list[_DeferredGemm]] = {}
+
+    def add(self, key: object, gemm: _DeferredGemm) -> None:
+        self._pending.setdefault(key, []).append(gemm)
+
+    def held(self, key: object) -> list[torch.Tensor]:
+        """The gradients held for `key`'s BW (what its stash holds beyond the forward's saved tensors)."""
+        return [g.grad_out for g in self._pending.get(key, [])]
+
+    def run(self, key: object) -> int:
+        """Compute and accumulate `key`'s weight gradients; returns how many GEMMs ran."""
+        gemms = self._pending.pop(key, [])
+        with torch.no_grad():  # gradients are data here, as inside autograd's own accumulation
+            for gemm in gemms:
+                gemm.run()
+        return len(gemms)
+
+    @property
+    def pending(self) -> list[object]:
+        return list(self._pending)
+
+
+_DEFERRAL: Optional[tuple[WeightGradStore, object]] = None
+
+
+@contextlib.contextmanager
+def deferring_weight_grads(store: WeightGradStore, key: object) -> Iterator[None]:
+    """Within the block, the linear layers defer their weight-gradient GEMMs to `store` under `key`."""
+    global _DEFERRAL
+    previous, _DEFERRAL = _DEFERRAL, (store, key)
+    try:
+        yield
+    finally:
+        _DEFERRAL = previous
+
+
+def _deferral_for(weight: torch.Tensor) -> Optional[tuple[WeightGradStore, object]]:
+    return _DEFERRAL if _DEFERRAL is not None and weight.requires_grad else None
+
+
 # Linear layers ----------------------------------------------------------------------------------------
 
 
@@ -160,13 +242,15 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: ProcessGroup,
-                sequence_parallel: bool, fold: bool = False) -> torch.Tensor:
+                sequence_parallel: bool, fold: bool = False,
+                deferred: Optional[tuple[WeightGradStore, object, nn.Parameter]] = None) -> torch.Tensor:
         total = all_gather(x, 0, group) if sequence_parallel else x
         ctx.save_for_backward(x, weight)
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
         ctx.main_grad_owner = weight if fold else None
+        ctx.deferred = deferred  # (store, key, the parameter whose detached data `weight` is)
         return F.linear(total, weight, bias)
 
     @staticmethod
@@ -190,9 +274,12 @@ class _LinearFunction(torch.autograd.Function):
                 add_to_main_grad(ctx.main_grad_owner, grad_out, total)
             else:
                 grad_weight = grad_out.reshape(-1, grad_out.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
+        if ctx.deferred is not None:  # BI of a split backward: the GEMM waits for BW
+            store, key, parameter = ctx.deferred
+            store.add(key, _DeferredGemm(parameter, grad_out, x, ctx.group, ctx.sequence_parallel))
         grad_bias = grad_out.sum(dim=tuple(range(grad_out.dim() - 1))) if ctx.has_bias and need_bias else None
         grad_input = reducing.wait() if reducing is not None else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def column_parallel_linear(
@@ -209,6 +296,9 @@ def column_parallel_linear(
     `sequence_parallel`) -> this rank's `[s, b, out/tp]`, saving only the sequence shard for backward.
     `owns_weight`: this product is the weight's only use, so its gradient may go straight into
     `main_grad` (a tied weight also gets the embedding's gradient through autograd)."""
+    deferral = _deferral_for(weight) if owns_weight else None
+    if deferral is not None:
+        return _LinearFunction.apply(x, weight.detach(), bias, tp_group, sequence_parallel, False, (*deferral, weight))
     fold = owns_weight and folds_into_main_grad(weight)
     if tp_size(tp_group) == 1 and not fold:
         return F.linear(x, weight, bias)
@@ -319,7 +409,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        if folds_into_main_grad(self.weight):
+        deferral = _deferral_for(self.weight)
+        if deferral is not None:
+            partial = _LinearFunction.apply(x, self.weight.detach(), None, None, False, False, (*deferral, self.weight))
+        elif folds_into_main_grad(self.weight):
             partial = _LinearFunction.apply(x, self.weight, None, None, False, True)
         else:
             partial = F.linear(x, self.weight)
