@@ -36,9 +36,9 @@ Other options keep their defaults.
 **Time.** Global stage `s` (one chunk) runs `F_s = L_s·t_F(b)` and `B_s = L_s·(t_B(b) + recompute)`, plus
 the output layer and cross-entropy on the last stage (`efficiency.head_times`). Layer times and what
 recomputation re-runs come from a `tools/bench_layer.py` measurement (`efficiency.MeasuredCurve`) or the
-roofline (`efficiency.Roofline`), tensor-parallel collectives included. A split backward runs as this
-repository's executor runs it: BI does the whole backward and BW only frees the stash
-(schedules/execute.py), so BI = B_s and BW = 0. The embedding lookup is not timed (a gather, well under
+roofline (`efficiency.Roofline`), tensor-parallel collectives included. A split backward is still timed
+as BI = B_s and BW = 0 (our simplification, from before the executor split the weight GEMMs off into BW:
+pessimistic for schedules that place BW in a bubble; tools/bench_split_backward.py measures the split). The embedding lookup is not timed (a gather, well under
 1% of a stage). A stage boundary sends `s·b·h` activations (`s·b·h/tp` under sequence parallelism) over
 NVLink when the whole job fits in one node, else over the network (Megatron's rank order puts pipeline
 neighbours tp·dp ranks apart, so some hop crosses nodes). Offload copies take stash bytes / host link

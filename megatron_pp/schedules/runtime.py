@@ -8,7 +8,8 @@ plugin or read from a file gets the same machinery as a built-in one:
 | OFFLOAD / RELOAD                       | host store (`offload_store.OffloadStore`)                     |
 | EVICT / LOAD                           | peer store and acceptor (`peer_store`, BPipe)                 |
 | a weight version on any action, STEP   | two weight versions and the deferred optimizer step (2BW)     |
-| BI / BW (a split backward)             | the backward split into input and weight gradients            |
+| BI / BW (a split backward)             | the weight-gradient store (`layers.WeightGradStore`): BI      |
+|                                        | computes input gradients, BW the held weight GEMMs           |
 
 Torch-free, so the argument checks can ask before anything is built.
 """
