@@ -660,7 +660,9 @@ def virtual_stages_given(args: argparse.Namespace) -> bool:
 
 def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig],
                     world: int) -> tuple[list[str], Optional[Schedule]]:
-    """Errors of the schedule flags, and the schedule when it can be built (the job's sizes are known)."""
+    """Errors of the schedule flags, and the schedule for the checks that read its lists: the job's own when
+    its sizes are right, else the registered schedule at a size it accepts (what the lists contain does not
+    depend on their length), or None."""
     from megatron_pp.models.layout import split_layers
     from megatron_pp.schedules.registry import list_schedules
 
@@ -678,7 +680,7 @@ def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig
     if config is None or mbs < 1 or dp < 1 or gbs < 1 or gbs % (mbs * dp):
         # The sizes are wrong (their own checks say so): what the schedule needs still decides the rest.
         facts = _schedule_at_nominal_size(args)
-        return ((_check_weight_versions(args, facts) if facts is not None else []), None)
+        return ((_check_weight_versions(args, facts) if facts is not None else []), facts)
     try:
         chunks = num_chunks(args, config) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
         schedule = build_job_schedule(argparse.Namespace(**{**vars(args), "global_batch_size": gbs}), dp, chunks)

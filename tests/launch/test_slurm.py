@@ -244,9 +244,11 @@ def test_scontrol_requeue_then_scancel_save_on_sigterm(slurm, clone, tmp_path):
 
 def test_time_limit_signal_saves_and_requeues(slurm, clone):
     run = "runs/timelimit"
+    # Two minutes, USR1 45 s before the end: the ranks have 75 s to start training and write their PID files
+    # (on a loaded 2-core machine importing torch in two processes alone can take half of that).
     job = _submit(slurm, clone, [SBATCH, *_train(clone, run, 100000)],
-                  sbatch_options=["--time=1", "--signal=B:USR1@45"], SIGNAL_LEAD_S="45", SAVE_WAIT_S="25")
-    _wait(lambda: int(slurm.job(job).get("Restarts", 0)) == 1, "the time-limit requeue", 150, slurm, job, clone)
+                  sbatch_options=["--time=2", "--signal=B:USR1@45"], SIGNAL_LEAD_S="45", SAVE_WAIT_S="25")
+    _wait(lambda: int(slurm.job(job).get("Restarts", 0)) == 1, "the time-limit requeue", 240, slurm, job, clone)
     slurm.scancel(job)
     out = _output(clone, job)
     assert out.count("USR1 to pid") == 2 and f"requeueing job {job}" in out, out

@@ -101,7 +101,7 @@ def test_errors_name_the_flag():
     (["--pipeline-schedule", "1f1b", "--breadth-first-microbatches", "2"],
      "--breadth-first-microbatches does not apply to --pipeline-schedule 1f1b"),
     (["--data-parallel-sharding-strategy", "optim_grads_params", "--pipeline-schedule", "po-f"],
-     "cannot be combined with --pipeline-schedule po-f"),
+     "cannot be combined with host offload (--pipeline-schedule po-f)"),
 ])
 def test_layers_that_do_not_divide_and_bad_combinations_are_argument_errors(extra, needle):
     argv = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "1", "--pipeline-model-parallel-size", "2",
