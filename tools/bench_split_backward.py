@@ -12,6 +12,7 @@ figures are the medians of the per-round ratios (BI + BW) / B and BI / B. The is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -52,29 +53,21 @@ def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, fl
     for layer in stack:
         layer.zero_grad(set_to_none=True)
     store = WeightGradStore()
-    inp = x.detach().requires_grad_()
-    if split:
-        with deferring_weight_grads(store, 0):
-            y = inp
-            for layer in stack:
-                y = layer(y, rotary, None, None)
-            sync(device)
-            start = time.perf_counter()
-            y.backward(grad)
-            sync(device)
-            bi = time.perf_counter() - start
-        start = time.perf_counter()
-        store.run(0)
+    with deferring_weight_grads(store, 0) if split else contextlib.nullcontext():
+        y = x.detach().requires_grad_()
+        for layer in stack:
+            y = layer(y, rotary, None, None)
         sync(device)
-        return bi, time.perf_counter() - start
-    y = inp
-    for layer in stack:
-        y = layer(y, rotary, None, None)
-    sync(device)
+        start = time.perf_counter()
+        y.backward(grad)
+        sync(device)
+        backward = time.perf_counter() - start
+    if not split:
+        return backward, 0.0
     start = time.perf_counter()
-    y.backward(grad)
+    store.run(0)
     sync(device)
-    return time.perf_counter() - start, 0.0
+    return backward, time.perf_counter() - start
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -11,7 +11,9 @@ Steps, each a subprocess whose exit code, duration and last lines of output go i
    runs on a single pipeline rank, with data parallelism of 1 and mock data (a family that cannot run at
    pp 1 is listed as refused with the validator's line, not silently skipped);
 3. `tools/bench_mfu.py` (LLaMA-3-8B-shaped stack cut to fit one GPU, Hugging Face baseline beside it);
-4. `tools/bench_offload.py` (copy bandwidth, the offload ratio k, full-offload cost).
+4. `tools/bench_offload.py` (copy bandwidth, the offload ratio k, full-offload cost, PO-H and GIS-H against
+   interleaved 1F1B);
+5. `tools/bench_split_backward.py` (BI and BW against the whole backward, bf16).
 The report (`docs/results/gpu/<device>-<date>.json`) holds every step, the benchmarks' own JSON and the
 versions; a table goes to stdout. Without CUDA it prints one line saying so and exits 0, so the command
 is safe to put in any job script. Exit code 1 if any step failed.
@@ -72,6 +74,9 @@ def steps(python: str, out_dir: str) -> list[dict]:
     plan.append({"name": "bench_offload", "argv": [python, str(ROOT / "tools" / "bench_offload.py"), "--json",
                                                    os.path.join(out_dir, "bench_offload.json")],
                  "json": os.path.join(out_dir, "bench_offload.json")})
+    plan.append({"name": "bench_split_backward", "argv": [python, str(ROOT / "tools" / "bench_split_backward.py"),
+                                                          "--json", os.path.join(out_dir, "bench_split_backward.json")],
+                 "json": os.path.join(out_dir, "bench_split_backward.json")})
     return plan
 
 
