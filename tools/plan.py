@@ -27,6 +27,7 @@ from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster,
                                           Plan, Planner, Prediction, equivalence_key, launch_command,
                                           launch_flags, summary_row)
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
+from megatron_pp.schedules.schedule_file import register_schedule_file  # noqa: E402
 
 
 SKIP_REASONS = 5
@@ -60,6 +61,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=("flash", "sdpa", "reference"), default="flash",
                    help="reference = the unfused path that stores the s x s scores")
     p.add_argument("--schedules", help="comma-separated schedule names (default: every registered one)")
+    p.add_argument("--pipeline-schedule-file", metavar="FILE",
+                   help="plan the action lists in FILE (torch's compute-only CSV or our JSON, docs/plugins.md): only "
+                        "layouts with its pipeline size, microbatches and chunks; its commands name the file")
     p.add_argument("--recompute-options", default=",".join(RECOMPUTE_OPTIONS),
                    help="comma-separated subset of none,selective,full")
     p.add_argument("--max-micro-batch-size", type=int, default=DEFAULT_MAX_MICRO_BATCH)
@@ -83,12 +87,18 @@ def build(args: argparse.Namespace) -> Planner:
     overrides = {"memory_gib": args.gpu_memory_gb, "gpus_per_node": args.gpus_per_node,
                  "tp_link_gbps": args.intra_node_gbps, "pair_link_gbps": args.inter_node_gbps}
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v is not None})
+    files: tuple[tuple[str, str], ...] = ()
+    schedules = None if args.schedules is None else [x.strip() for x in args.schedules.split(",") if x.strip()]
+    if args.pipeline_schedule_file:
+        if schedules is not None:
+            raise ValueError("give --schedules or --pipeline-schedule-file, not both")
+        name = register_schedule_file(args.pipeline_schedule_file)
+        files, schedules = ((name, args.pipeline_schedule_file),), [name]
     job = Job(args.model_preset, config, args.global_batch_size, attention_backend=args.attention_backend,
-              plugins=tuple(args.schedule_plugin))
+              plugins=tuple(args.schedule_plugin), schedule_files=files)
     cluster = Cluster(args.num_gpus, hardware, host_link_gbps=args.host_link_gbps,
                       reserved_fraction=args.reserved_memory_fraction)
     recompute = tuple(x.strip() for x in args.recompute_options.split(",") if x.strip())
-    schedules = None if args.schedules is None else [x.strip() for x in args.schedules.split(",") if x.strip()]
     return Planner(job, cluster, efficiency_file=args.efficiency_file, schedules=schedules,
                    recompute_options=recompute, max_micro_batch_size=args.max_micro_batch_size,
                    max_virtual_stages=args.max_virtual_stages,

@@ -195,6 +195,8 @@ class Job:
     device_type: str = "cuda"
     plugins: tuple[str, ...] = ()
     """`--schedule-plugin` values that registered schedules the plan may pick (repeated in its commands)."""
+    schedule_files: tuple[tuple[str, str], ...] = ()
+    """(registered name, path) of schedules read from `--pipeline-schedule-file` (their commands name the file)."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -1037,7 +1039,9 @@ def launch_flags(job: Job, c: Configuration) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(job.config.num_layers // (c.pp * c.num_chunks))]
     for plugin in job.plugins:
         flags += ["--schedule-plugin", plugin]
-    flags += ["--pipeline-schedule", c.schedule]
+    files = dict(job.schedule_files)
+    flags += ["--pipeline-schedule-file", files[c.schedule]] if c.schedule in files else ["--pipeline-schedule",
+                                                                                          c.schedule]
     for name, value in c.options:
         if name not in option_flags:
             raise ValueError(f"schedule option {name!r} has no registered flag (registry.register_option)")

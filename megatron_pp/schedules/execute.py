@@ -10,13 +10,15 @@ Per (microbatch, local chunk) the executor keeps the chunk's input (a leaf requi
 gradient of that output once received. A chunk whose neighbour stage sits on the same rank hands
 tensors over in memory instead of communicating.
 
-Split backward (BI, BW) and the stash: for a (microbatch, chunk) whose list has a BW, the forward and the
-BI run inside `tensor_parallel.layers.deferring_weight_grads`, so BI computes the input gradient (sent
+Split backward (BI, BW) and the stash: for a (microbatch, chunk) whose list puts other compute between its
+BI and its BW (`deferred_backwards`), the forward and the BI run inside
+`tensor_parallel.layers.deferring_weight_grads`, so BI computes the input gradient (sent
 upstream at once) and the cheap norm, bias and embedding gradients, while the linear layers' weight GEMMs
 wait in `weight_grads` with the output gradients they need; BW runs them (accumulating as autograd would,
 into `.grad` or the fp32 `main_grad`, and telling the gradient reducer) and releases the stash. The stash
 counts as live until BW, and what BI leaves for BW (those output gradients) is counted in it. Unsplit B
-is one autograd call, as before.
+is one autograd call, as before, and so is a BI whose BW comes right after it (GIS and PO place them
+so): waiting would only hold the output gradients longer.
 
 Stash transfers: when the list has OFFLOAD actions the executor uses an `OffloadStore` (unless a store
 is passed) and tells it which stashes will move; OFFLOAD hands it the stash plus the tensors that must
@@ -87,6 +89,14 @@ class ExecutorHooks:
         """Called right before the compute `action` runs."""
 
 
+def deferred_backwards(actions: Sequence[Action]) -> set[tuple[int, int]]:
+    """The (microbatch, chunk) keys of `actions` whose BW is not the next compute action after their BI."""
+    compute = [a for a in actions if a.is_compute]
+    return {(a.microbatch, a.chunk) for i, a in enumerate(compute)
+            if a.op is Op.BI and not (i + 1 < len(compute) and compute[i + 1].op is Op.BW
+                                      and (compute[i + 1].microbatch, compute[i + 1].chunk) == (a.microbatch, a.chunk))}
+
+
 class PipelineExecutor:
     """Run `schedule.actions[pp_rank]` with `chunks[c]` = the module of local chunk c."""
 
@@ -131,8 +141,10 @@ class PipelineExecutor:
             Op.OFFLOAD: self._offload, Op.RELOAD: self._reload, Op.EVICT: self._evict, Op.LOAD: self._load,
         }
         self.handlers[Op.REDUCE_GRAD] = self._reduce_grad
-        # (microbatch, chunk) keys whose backward the list splits: their weight-gradient GEMMs wait for BW.
-        self._split = {(a.microbatch, a.chunk) for a in self.actions if a.op is Op.BW}
+        # (microbatch, chunk) keys whose weight-gradient GEMMs wait for their BW: those whose list puts other
+        # compute between BI and BW (where the GEMMs fill a bubble). A BW that is BI's next compute gains
+        # nothing from waiting and would only hold the output gradients longer, so it runs inside BI.
+        self._split = deferred_backwards(self.actions)
         self.weight_grads = WeightGradStore()
         self.reduce_grad_hook: Optional[Callable[[int], None]] = None
         """Called by REDUCE_GRAD.c with the local chunk c to start that chunk's data-parallel reduction;
@@ -306,7 +318,7 @@ class PipelineExecutor:
 
     def _backward_weight(self, action: Action) -> None:
         key = (action.microbatch, action.chunk)
-        self.weight_grads.run(key)
+        self.weight_grads.run(key)  # nothing to run when BI was not split off (see `deferred_backwards`)
         self.store.release(key)
 
     def _deferring(self, key: tuple[int, int]):

@@ -214,3 +214,26 @@ def build_schedule_from_file(path: str, *, num_ranks: Optional[int] = None, num_
     except ValueError as err:
         raise ScheduleFileError(f"--pipeline-schedule-file {path}: {err}") from None
     return schedule
+
+
+def register_schedule_file(path: str) -> str:
+    """Register the compute order in `path` as a schedule named `file:<file name>` that builds only at the
+    file's own (ranks, microbatches, chunks), so a planner searches it like a registered schedule and skips
+    the layouts it does not fit. Returns the name (registering the same file twice is harmless)."""
+    from megatron_pp.schedules.registry import list_schedules, register_schedule
+
+    schedule = read_schedule_file(path)
+    name = schedule.name
+    if name in list_schedules():
+        return name
+    compute = _compute_only(schedule)
+    sizes = (schedule.num_ranks, schedule.num_microbatches, schedule.num_chunks)
+
+    def from_file(num_ranks: int, num_microbatches: int, num_chunks: int) -> Schedule:
+        if (num_ranks, num_microbatches, num_chunks) != sizes:
+            raise ValueError(f"--pipeline-schedule-file {path} is for (pp, microbatches, chunks) = {sizes}")
+        return compute
+
+    register_schedule(name, from_file, supports_virtual=True, description=f"the action lists in {path}")
+    return name
+

@@ -96,3 +96,11 @@ def test_tensor_and_sequence_parallel_weight_gradients_after_bw(sequence_paralle
     for input_error, errors in run_distributed(2, _tp_split, sequence_parallel):
         assert input_error == 0.0
         assert all(e <= 1e-6 for e in errors.values()), errors
+
+
+def test_only_a_bw_separated_from_its_bi_waits():
+    from megatron_pp.schedules.execute import deferred_backwards
+    from megatron_pp.schedules.ir import Action
+
+    actions = [Action.parse(t) for t in "F0.0 F1.0 BI0.0 SEND_B0.0>0 BW0.0 BI1.0 F2.0 BW1.0 B2.0".split()]
+    assert deferred_backwards(actions) == {(1, 0)}  # BW0.0 is BI0.0's next compute; BW1.0 is not

@@ -323,3 +323,27 @@ def test_cli_prints_only_rows_the_training_script_accepts(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "left out (pretrain_gpt.py would refuse its flags): 1f1b tp2" in text
     assert "--tensor-model-parallel-size 2 " not in text and "--tensor-model-parallel-size 4 " in text
+
+
+def test_cli_plans_a_schedule_file_and_names_it_in_the_commands(capsys, tmp_path):
+    """--pipeline-schedule-file: only layouts the file fits (its pp, m and v), commands that pass the
+    training script's check and name the file."""
+    from megatron_pp.schedules.registry import unregister_schedule
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from torch_schedule_csv import write_torch_csv
+
+    path = write_torch_csv(str(tmp_path / "zbv.csv"), "ZBVZeroBubble", 4, 8)
+    argv = ["--model-preset", "gpt3-1.3b", "--global-batch-size", "16", "--num-gpus", "8", "--top", "5",
+            "--commands", "5", "--pipeline-schedule-file", path]
+    try:
+        assert plan_tool.main(argv) == 0
+        text = capsys.readouterr().out
+        commands = [line for line in text.splitlines() if line.startswith("#")]
+        assert commands and all(f"--pipeline-schedule-file {path}" in c and "--pipeline-model-parallel-size 4" in c
+                                and "--pipeline-schedule " not in c for c in commands)
+        assert "would refuse its flags" not in text
+        assert plan_tool.main(argv + ["--schedules", "1f1b"]) == 2
+        assert "not both" in capsys.readouterr().err
+    finally:
+        unregister_schedule("file:zbv.csv")

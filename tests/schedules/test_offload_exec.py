@@ -112,9 +112,7 @@ def test_executor_picks_an_offload_store_and_refuses_a_plain_one():
     assert isinstance(executor.store, OffloadStore)
     # Synchronous copies: p = 1, v = 4 keeps chunk 3 (too short-lived) and one stash being computed.
     assert (plain[0].peak_stash_count, runs[0].peak_stash_count) == (4, 2)
-    # Both peaks include the output gradients a split backward holds from BI to BW (not offloaded), which
-    # the head chunk's vocabulary-sized logits gradient dominates at this tiny size.
-    assert runs[0].peak_stash_bytes < 0.65 * plain[0].peak_stash_bytes
+    assert runs[0].peak_stash_bytes < 0.6 * plain[0].peak_stash_bytes
     with pytest.raises(ValueError, match="offloads stashes, which needs an OffloadStore"):
         _single_process_run("po-h", store=ActivationStore())
 
