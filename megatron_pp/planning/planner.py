@@ -111,8 +111,8 @@ from megatron_pp.planning.memory import (CPU_FP32, MEGATRON_BF16, RECOMPUTE_OPTI
 from megatron_pp.schedules.comm import insert_communication
 from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule
 from megatron_pp.schedules.offload import OffloadWarning
-from megatron_pp.schedules.registry import (ScheduleEntry, build_schedule, get_schedule, registered_schedules,
-                                           schedule_options)
+from megatron_pp.schedules.registry import (ScheduleEntry, build_at_nominal_size, build_schedule, get_schedule,
+                                           registered_schedules, schedule_options)
 from megatron_pp.schedules.runtime import runtime_needs
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 from megatron_pp.schedules.validate import validate
@@ -464,8 +464,7 @@ class Planner:
         key = ("versions", entry.name, pp)
         if key not in self._per_stage:
             try:
-                schedule = build_schedule(entry.name, pp, 2 * pp, 2 if entry.supports_virtual else 1)
-                self._per_stage[key] = runtime_needs(schedule).weight_versions
+                self._per_stage[key] = runtime_needs(build_at_nominal_size(entry.name, pp)).weight_versions
             except Exception:  # noqa: BLE001 - a plugin may fail any way; its configurations are skipped later
                 self._per_stage[key] = False
         return self._per_stage[key]

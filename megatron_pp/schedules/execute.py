@@ -314,7 +314,8 @@ class PipelineExecutor:
         key = (action.microbatch, action.chunk)
         with self._deferring(key):
             self._backward_pass(action)
-        self.store.hold(key, self.weight_grads.held(key))  # the output gradients BW still needs
+        if key in self._split:
+            self.store.hold(key, self.weight_grads.held(key))  # the output gradients BW still needs
 
     def _backward_weight(self, action: Action) -> None:
         key = (action.microbatch, action.chunk)

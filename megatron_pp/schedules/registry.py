@@ -159,6 +159,14 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks:
     return schedule
 
 
+def build_at_nominal_size(name: str, num_ranks: int, **options: object) -> Schedule:
+    """Schedule `name` for `num_ranks` ranks at a size every built-in accepts (2p microbatches, 2 chunks
+    where it takes virtual stages): for checks that read what its lists contain (`runtime.runtime_needs`),
+    which does not depend on their length. Raises what `build_schedule` raises."""
+    entry = get_schedule(name)
+    return build_schedule(entry.name, num_ranks, 2 * num_ranks, 2 if entry.supports_virtual else 1, **options)
+
+
 def _interleaved(num_ranks: int, num_microbatches: int, num_chunks: int,
                  microbatch_group_size: int | None = None) -> Schedule:
     # Megatron's config name for the group size, so the flag reads the same as there.

@@ -698,12 +698,11 @@ def _schedule_at_nominal_size(args: argparse.Namespace) -> Optional[Schedule]:
     that depend on what its lists contain, not on their length, when the job's own sizes are wrong."""
     if getattr(args, "pipeline_schedule_file", None) or args.pipeline_model_parallel_size < 1:
         return None
-    from megatron_pp.schedules.registry import build_schedule, get_schedule
+    from megatron_pp.schedules.registry import build_at_nominal_size
 
     try:
-        entry = get_schedule(args.pipeline_schedule)
-        pp = args.pipeline_model_parallel_size
-        return build_schedule(entry.name, pp, 2 * pp, 2 if entry.supports_virtual else 1, **job_schedule_options(args))
+        return build_at_nominal_size(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                                     **job_schedule_options(args))
     except ValueError:
         return None
 
