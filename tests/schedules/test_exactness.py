@@ -414,3 +414,26 @@ def test_exact_zero_bubble_sequence_parallel_and_full_recompute(name):
 
     case = ("gpt-tiny", 4, 2, 2, name, 4, 1, {})
     _run_pipeoffload(4, case, {"recompute": RecomputeConfig("full", "uniform", 1)}, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("zb-h1", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("zb-h2", []),
+])
+def test_zero_bubble_trains_like_one_process_across_a_resume(tmp_path, name, extra):
+    """The training loop (arguments, Adam, clipping) at pp 2 × dp 2, m = 3: three steps equal a single
+    process step by step, and two steps, save, exit, resume for the third equal the three straight."""
+    from tests.training.test_exactness_edges import BUCKET_BYTES, ITERS, TOL as STEP_TOL, _argv, _train
+    from tests.training.test_exactness_edges import reference as training_reference
+
+    layers, gbs = 4, 6
+    argv = _argv("gpt-tiny", layers, 1, gbs, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", name,
+                                              *extra])
+    straight = run_distributed(4, _train, argv, BUCKET_BYTES)[0]
+    assert len(straight) == ITERS
+    for (_, _, loss, norm, _), (ref_loss, ref_norm) in zip(straight, training_reference("gpt-tiny", layers, gbs)):
+        assert abs(loss - ref_loss) <= STEP_TOL * ref_loss and abs(norm - ref_norm) <= STEP_TOL * ref_norm
+    ck = str(tmp_path / "ck")
+    first = run_distributed(4, _train, argv + ["--save", ck, "--exit-interval", "2"], BUCKET_BYTES)[0]
+    resumed = run_distributed(4, _train, argv + ["--load", ck], BUCKET_BYTES)[0]
+    assert first + resumed == straight
