@@ -388,6 +388,7 @@ ZERO_BUBBLE_WORLD4 = [
     ("gpt-tiny", 4, 1, 2, "zb-h1", 4, 1, {}),  # dp = 2
     ("llama-tiny", 4, 1, 2, "zb-h2", 3, 1, {}),  # dp = 2
     ("gpt-tiny", 4, 1, 4, "zb-h1", 8, 1, {"offload_chunks": 1}),
+    ("llama-tiny", 4, 1, 4, "zb-h2", 8, 1, {"offload_chunks": 1}),
 ]
 
 
