@@ -419,11 +419,12 @@ def test_exact_zero_bubble_sequence_parallel_and_full_recompute(name):
 
 @pytest.mark.parametrize("name, extra", [
     ("zb-h1", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
-    ("zb-h2", []),
+    ("zb-h2", ["--overlap-grad-reduce", "--use-distributed-optimizer"]),
 ])
 def test_zero_bubble_trains_like_one_process_across_a_resume(tmp_path, name, extra):
     """The training loop (arguments, Adam, clipping) at pp 2 × dp 2, m = 3: three steps equal a single
-    process step by step, and two steps, save, exit, resume for the third equal the three straight."""
+    process step by step, and two steps, save, exit, resume for the third equal the three straight. With
+    overlapped reduction the reducer hears of the weight gradients BW adds long after their BI."""
     from tests.training.test_exactness_edges import BUCKET_BYTES, ITERS, TOL as STEP_TOL, _argv, _train
     from tests.training.test_exactness_edges import reference as training_reference
 
