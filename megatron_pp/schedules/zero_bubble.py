@@ -3,8 +3,8 @@ arXiv 2401.10241, §2.1 and §2.2): stage r on rank r, every backward split into
 upstream at once) and BW (weight gradient), and BW moved to where the pipeline would otherwise idle.
 
 * **`zb_h1`.** Rank r runs 1F1B's min(p−r−1, m) warm-up forwards, then F/BI pairs, then the remaining
-  BIs, and every BW trails its BI by r backwards (rank 0 runs BW right after BI, the last rank r = p−1
-  behind), the leftover BWs closing the list. BIs therefore travel upstream without waiting for weight
+  BIs, and every BW trails its BI by r backwards (rank 0 runs each BW right after its BI, the last rank
+  p − 1 BIs later), the leftover BWs closing the list. BIs therefore travel upstream without waiting for weight
   gradients, and the deferred BWs fill the cool-down. Every rank keeps the same number of microbatches
   in flight as 1F1B's rank 0: a stash counts from its F until its BW ends (as the simulator and the
   executor count it), so each rank peaks at min(p, m) stashes, 1F1B's rank-0 peak, where 1F1B's rank r
@@ -21,7 +21,7 @@ upstream at once) and BW (weight gradient), and BW moved to where the pipeline w
 
 Bubble of one flushed step, per rank (idle time; the makespan is m·(T_F + T_B + T_W) plus it; T_B is
 BI's time; **ours**, derived from the lists and pinned by tests/schedules/test_zero_bubble.py for
-p ∈ {2, 3, 4, 8}, p ≤ m ≤ 4p):
+p ∈ {2, 3, 4, 8}, m ∈ {p, p + 1, 2p, 3p − 1} and eight cost ratios):
 
     1f1b    (p−1)·(T_F + T_B + T_W)
     zb-h1   (p−1)·max(T_F, T_F + T_B − T_W)            the paper's (p−1)(T_F + T_B − T_W) when T_W ≤ T_B
