@@ -30,6 +30,7 @@ from megatron_pp.schedules.looped import looped_bfs
 from megatron_pp.schedules.offload import add_offload
 from megatron_pp.schedules.twobw import two_bw
 from megatron_pp.schedules.validate import validate
+from megatron_pp.schedules.zero_bubble import zb_h1, zb_h2
 
 
 @dataclass(frozen=True)
@@ -258,3 +259,21 @@ register_schedule("looped-bfs", looped_bfs, aliases=("modular",), supports_virtu
 register_schedule("2bw", two_bw, supports_virtual=False,
                   description="PipeDream-2BW: 1F1B with no flush between steps, two weight versions, "
                               "W(t+1) = W(t) - lr*g(W(t-1)); needs m >= p (option steps: unroll several steps)")
+
+
+def _zero_bubble(generator):
+    # Offload as for 1F1B, but on every rank: BW trailing BI keeps even the last ranks' stashes alive for
+    # several backwards, and the pass leaves a stash in place where its gap is too short to hide the copies.
+    def builder(num_ranks: int, num_microbatches: int, offload_chunks: int | None = None,
+                offload_fraction: float | None = None, offload_time: float | None = None) -> Schedule:
+        return add_offload(generator(num_ranks, num_microbatches), offload_chunks, offload_fraction=offload_fraction,
+                           offload_time=offload_time)
+    return builder
+
+
+register_schedule("zb-h1", _zero_bubble(zb_h1), supports_virtual=False,
+                  description="zero-bubble ZB-H1 (split backward, BW trailing BI by r on rank r): bubble "
+                              "(p-1)(T_F+T_B-T_W), every rank holds p stashes (1F1B's rank-0 peak)")
+register_schedule("zb-h2", _zero_bubble(zb_h2), supports_virtual=False,
+                  description="zero-bubble ZB-H2 (longer warm-up, BW filling the tail): no gap between a rank's "
+                              "first F and last BW for m >= 2p-1; every rank holds 2p-1 stashes")

@@ -51,7 +51,7 @@ def test_bi_leaves_weight_gemms_to_bw_and_bw_adds_them_exactly():
     after_bi = _grads(modules)
     assert after_bi["0.weight"] is None and after_bi["1.weight"] is None  # the GEMMs wait
     torch.testing.assert_close(after_bi["0.bias"], reference["0.bias"], rtol=0, atol=0)  # biases stay in BI
-    assert store.pending == ["mb0"] and len(store.held("mb0")) == 2
+    assert store.pending == ["mb0"] and len(store.held("mb0")) == 4  # two output gradients, two inputs
     assert store.run("mb0") == 2 and store.pending == []
     for name, grad in _grads(modules).items():
         torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=0, msg=name)
@@ -104,3 +104,35 @@ def test_only_a_bw_separated_from_its_bi_waits():
 
     actions = [Action.parse(t) for t in "F0.0 F1.0 BI0.0 SEND_B0.0>0 BW0.0 BI1.0 F2.0 BW1.0 B2.0".split()]
     assert deferred_backwards(actions) == {(1, 0)}  # BW0.0 is BI0.0's next compute; BW1.0 is not
+
+
+def test_recomputed_inputs_held_for_bw_count_in_the_stash():
+    """With full recomputation the layer inputs BW needs are made again in BI, outside the forward's
+    stash; `held` names them so that the store counts them until BW, as it counts them without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_pp.schedules.store import ActivationStore
+
+    modules = _mlp()
+    params = [p for m in modules for p in m.parameters()]
+
+    def held_bytes(recompute):
+        store, grads = ActivationStore(params), WeightGradStore()
+        x = torch.randn(4, 2, 16, requires_grad=True)
+        def run(t):
+            return modules[1](torch.nn.functional.gelu(modules[0](t)))
+        with deferring_weight_grads(grads, "mb0"):
+            with store.stash("mb0"):
+                y = checkpoint(run, x, use_reentrant=False) if recompute else run(x)
+            y.square().sum().backward()
+        before = store.live_bytes
+        store.hold("mb0", grads.held("mb0"))
+        return store.live_bytes - before, store.live_bytes
+
+    grown_plain, total_plain = held_bytes(False)
+    grown_recomputed, total_recomputed = held_bytes(True)
+    gradients = (4 * 2 * 32 + 4 * 2 * 16) * 4  # output gradients of up and down, fp32
+    recomputed = 4 * 2 * 32 * 4  # down's input, made again in BI (up's is the span input the forward kept)
+    assert grown_plain == gradients  # the inputs were saved by the forward already
+    assert grown_recomputed == gradients + recomputed
+    assert total_recomputed < total_plain  # still less than the whole forward's saved tensors

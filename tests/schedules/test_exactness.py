@@ -370,3 +370,72 @@ def test_exact_looped_bfs_tensor_parallel_and_odd_m(tp, pp, m, split, sharding, 
     results = run_distributed(tp * pp * dp, looped_run, "gpt-tiny", layers, pp, m, v, options, sharding, tp, tp > 1)
     ref_loss, ref_grads = _reference_cached("gpt-tiny", layers, MICRO_BATCH * m * dp)
     check(results, ref_loss, ref_grads, (tp, pp, m, split, sharding))
+
+
+# Zero-bubble ZB-H1 / ZB-H2 (arXiv 2401.10241 §2): split backward with BW deferred behind other compute, so the
+# weight-gradient GEMMs really wait in the store. One layer per stage. (preset, layers, tp, pp, schedule, m, v,
+# options), grouped by world size; m < p, m not a multiple of p and m ≥ 2p − 1 (zb-h2's full warm-up) all appear.
+ZERO_BUBBLE_WORLD2 = [
+    ("gpt-tiny", 4, 1, 2, "zb-h1", 3, 1, {}),
+    ("llama-tiny", 4, 1, 2, "zb-h2", 4, 1, {}),
+]
+ZERO_BUBBLE_WORLD4 = [
+    ("gpt-tiny", 4, 1, 4, "zb-h1", 5, 1, {}),
+    ("llama-tiny", 4, 1, 4, "zb-h2", 8, 1, {}),
+    ("gpt-tiny", 4, 1, 4, "zb-h2", 3, 1, {}),  # m < p
+    ("llama-tiny", 4, 2, 2, "zb-h1", 4, 1, {}),  # tp = 2
+    ("gpt-tiny", 4, 2, 2, "zb-h2", 3, 1, {}),  # tp = 2
+    ("gpt-tiny", 4, 1, 2, "zb-h1", 4, 1, {}),  # dp = 2
+    ("llama-tiny", 4, 1, 2, "zb-h2", 3, 1, {}),  # dp = 2
+    ("gpt-tiny", 4, 1, 4, "zb-h1", 8, 1, {"offload_chunks": 1}),
+    ("llama-tiny", 4, 1, 4, "zb-h2", 8, 1, {"offload_chunks": 1}),
+]
+
+
+@pytest.mark.parametrize("case", ZERO_BUBBLE_WORLD2, ids=_pipeoffload_id)
+def test_exact_zero_bubble_world2(case):
+    _run_pipeoffload(2, case)
+
+
+@pytest.mark.parametrize("case", ZERO_BUBBLE_WORLD4, ids=_pipeoffload_id)
+def test_exact_zero_bubble_world4(case):
+    results = _run_pipeoffload(4, case)
+    # Stashes count until BW (the executor's store and the simulator alike), offloaded ones while on the host.
+    sim = simulate(build_schedule(case[4], case[3], case[5], **case[7]))
+    assert {(r["pp_rank"], r["peak_count"]) for r in results} == set(enumerate(sim.peak_stash))
+    if case[7]:
+        assert max(r["peak_host_bytes"] for r in results if r["pp_rank"] == 0) > 0
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_exact_zero_bubble_sequence_parallel_and_full_recompute(name):
+    """tp 2 with sequence parallelism, every layer recomputed in BI: BI re-runs the layer and keeps only
+    what BW needs (the linear layers' inputs and output gradients) until BW."""
+    from megatron_pp.models.transformer import RecomputeConfig
+
+    case = ("gpt-tiny", 4, 2, 2, name, 4, 1, {})
+    _run_pipeoffload(4, case, {"recompute": RecomputeConfig("full", "uniform", 1)}, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("zb-h1", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("zb-h2", ["--overlap-grad-reduce", "--use-distributed-optimizer"]),
+])
+def test_zero_bubble_trains_like_one_process_across_a_resume(tmp_path, name, extra):
+    """The training loop (arguments, Adam, clipping) at pp 2 × dp 2, m = 3: three steps equal a single
+    process step by step, and two steps, save, exit, resume for the third equal the three straight. With
+    overlapped reduction the reducer hears of the weight gradients BW adds long after their BI."""
+    from tests.training.test_exactness_edges import BUCKET_BYTES, ITERS, TOL as STEP_TOL, _argv, _train
+    from tests.training.test_exactness_edges import reference as training_reference
+
+    layers, gbs = 4, 6
+    argv = _argv("gpt-tiny", layers, 1, gbs, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", name,
+                                              *extra])
+    straight = run_distributed(4, _train, argv, BUCKET_BYTES)[0]
+    assert len(straight) == ITERS
+    for (_, _, loss, norm, _), (ref_loss, ref_norm) in zip(straight, training_reference("gpt-tiny", layers, gbs)):
+        assert abs(loss - ref_loss) <= STEP_TOL * ref_loss and abs(norm - ref_norm) <= STEP_TOL * ref_norm
+    ck = str(tmp_path / "ck")
+    first = run_distributed(4, _train, argv + ["--save", ck, "--exit-interval", "2"], BUCKET_BYTES)[0]
+    resumed = run_distributed(4, _train, argv + ["--load", ck], BUCKET_BYTES)[0]
+    assert first + resumed == straight

@@ -141,8 +141,8 @@ def test_build_applies_options_and_validates():
 
 
 def test_build_errors():
-    with pytest.raises(ValueError, match=r"unknown --pipeline-schedule 'zb-h1'; known: 1f1b, (.+, )?gpipe, "):
-        build_schedule("zb-h1", 4, 8)
+    with pytest.raises(ValueError, match=r"unknown --pipeline-schedule 'no-such-schedule'; known: 1f1b, (.+, )?gpipe, "):
+        build_schedule("no-such-schedule", 4, 8)
     with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage"):
         build_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ValueError, match=r"'gpipe' rejects options \['group'\].*its options: none"):

@@ -191,8 +191,11 @@ class WeightGradStore:
         self._pending.setdefault(key, []).append(gemm)
 
     def held(self, key: object) -> list[torch.Tensor]:
-        """The gradients held for `key`'s BW (what its stash holds beyond the forward's saved tensors)."""
-        return [g.grad_out for g in self._pending.get(key, [])]
+        """What `key`'s BW still needs: the output gradients, and the layer inputs, which are the forward's
+        saved tensors except under recomputation, where BI made them again outside the forward's stash
+        (the store counts a storage once, so naming both is safe)."""
+        pending = self._pending.get(key, [])
+        return [g.grad_out for g in pending] + [g.x for g in pending]
 
     def run(self, key: object) -> int:
         """Compute and accumulate `key`'s weight gradients; returns how many GEMMs ran."""
