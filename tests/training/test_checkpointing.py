@@ -301,3 +301,18 @@ def test_a_checkpoint_with_another_position_table_is_refused_in_one_line(tmp_pat
     _single(["--train-iters", "1", "--save", ck])
     with pytest.raises(CheckpointError, match=r"num_positions 32 \(checkpoint\) vs 64 \(this run\)"):
         _single(["--train-iters", "2", "--load", ck, "--max-position-embeddings", "64"])
+
+
+def test_rank_bound_state_needs_the_same_placement_not_only_the_same_pp():
+    """Same pipeline size, same stages, another placement (interleaved vs a V): each rank holds other
+    stages, so the optimizer and RNG files of a rank are another rank's; only equal placements share them."""
+    from types import SimpleNamespace
+
+    saved = {"layout": {"pp": 2, "placement": [[0, 0], [1, 0], [0, 1], [1, 1]]}}
+
+    def run(pp, placement):
+        return SimpleNamespace(state=SimpleNamespace(pp_size=pp), placement=placement)
+
+    assert checkpointing._same_ranks(saved, run(2, [(0, 0), (1, 0), (0, 1), (1, 1)]))
+    assert not checkpointing._same_ranks(saved, run(2, [(0, 0), (1, 0), (1, 1), (0, 1)]))
+    assert not checkpointing._same_ranks(saved, run(4, [(0, 0), (1, 0), (2, 0), (3, 0)]))

@@ -78,3 +78,18 @@ def test_peak_table_matches_device_names(name, peak):
 def test_peak_is_none_on_cpu_unless_given():
     assert peak_tflops(torch.device("cpu")) is None
     assert peak_tflops(torch.device("cpu"), override=123.0) == 123.0
+
+
+def test_layers_recomputed_for_the_flops_count_follow_the_recompute_method():
+    # Block recompute re-runs only the first N layers of each stage; uniform and selective count as
+    # "all layers" (None) in `iteration_flops`, which then charges selective its attention core only.
+    from types import SimpleNamespace
+
+    from megatron_pp.models.transformer import RecomputeConfig
+    from megatron_pp.training.train import _recomputed_layers
+
+    pipe = SimpleNamespace(layout=[SimpleNamespace(num_layers=3), SimpleNamespace(num_layers=1)])
+    assert _recomputed_layers(RecomputeConfig("full", "block", 2), pipe) == 2 + 1
+    assert _recomputed_layers(RecomputeConfig("full", "uniform", 2), pipe) is None
+    assert _recomputed_layers(RecomputeConfig("selective"), pipe) is None
+    assert _recomputed_layers(RecomputeConfig(), pipe) is None

@@ -295,3 +295,17 @@ def test_step_requires_reduced_gradients():
     with pytest.raises(RuntimeError, match="finish"):
         opt.step(1e-3)
     assert math.isclose(opt.loss_multiplier, 1.0)
+
+
+def test_lr_schedule_defaults_are_no_warmup_and_no_decay():
+    # The dataclass defaults are what a run without LR flags trains with: the peak from the first step.
+    s = LRSchedule(lr=1e-3)
+    assert lrs(s, [0, 1, 1000]) == [1e-3, 1e-3, 1e-3]
+    assert LRSchedule(lr=1e-3, decay_style="linear", decay_steps=10).learning_rate(0) == 1e-3
+
+
+def test_wsd_without_its_decay_length_names_the_flag_and_what_was_given():
+    args = argparse.Namespace(lr=1e-3, lr_decay_style="WSD", train_iters=100)
+    with pytest.raises(ValueError, match=r"--lr-decay-style WSD needs --lr-wsd-decay-iters in \[1, 100\] "
+                                         r"\(decay end minus warmup\), got 0$"):
+        LRSchedule.from_args(args)
