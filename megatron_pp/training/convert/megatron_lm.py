@@ -531,6 +531,22 @@ def _stage_state(reader: CheckpointReader, config: TransformerConfig, spec: Stag
     return state
 
 
+def prepare_export(staging: str, save_dir: str, reader: CheckpointReader, config: TransformerConfig,
+                   layout: TargetLayout, *, ckpt_format: str, transformer_impl: str, tokenizer_dir: Optional[str],
+                   dtype: torch.dtype) -> argparse.Namespace:
+    """What both Megatron-LM formats put beside the weights: the tracker file naming the iteration and the
+    tokenizer files (in `tokenizer/`, which `args.tokenizer_model` names by its final path); returns `args`."""
+    with open(os.path.join(staging, TRACKER_FILE), "w") as f:
+        f.write(f"{reader.iteration}\n")
+    tokenizer_model = None
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, os.path.join(staging, TOKENIZER_DIR))
+        tokenizer_model = os.path.join(os.path.abspath(save_dir), TOKENIZER_DIR)
+    return megatron_lm_args(config, layout, iteration=reader.iteration, consumed_samples=reader.consumed_samples,
+                            ckpt_format=ckpt_format, transformer_impl=transformer_impl,
+                            tokenizer_model=tokenizer_model, dtype=dtype)
+
+
 def rank_directory(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
 
@@ -561,13 +577,9 @@ def write_megatron_lm(
     chunks = layout.num_chunks(config.num_layers)
     with staged_output(save_dir) as staging:
         directory = iteration_dir(staging, reader.iteration)
-        tokenizer_model = None
-        if tokenizer_dir is not None:
-            copy_tokenizer(tokenizer_dir, os.path.join(staging, TOKENIZER_DIR))
-            tokenizer_model = os.path.join(os.path.abspath(save_dir), TOKENIZER_DIR)
-        args = megatron_lm_args(config, layout, iteration=reader.iteration, consumed_samples=reader.consumed_samples,
-                                ckpt_format="torch", transformer_impl=transformer_impl,
-                                tokenizer_model=tokenizer_model, dtype=dtype or config.params_dtype)
+        args = prepare_export(staging, save_dir, reader, config, layout, ckpt_format="torch",
+                              transformer_impl=transformer_impl, tokenizer_dir=tokenizer_dir,
+                              dtype=dtype or config.params_dtype)
         with tqdm(total=layout.tp * layout.pp, desc="Megatron-LM ranks", unit="file", disable=not progress) as bar:
             for pp_rank in range(layout.pp):
                 for tp_rank in range(layout.tp):
@@ -583,6 +595,4 @@ def write_megatron_lm(
                     torch.save(state, os.path.join(rank_dir, MEGATRON_LM_FILE))
                     del state
                     bar.update()
-        with open(os.path.join(staging, TRACKER_FILE), "w") as f:
-            f.write(f"{reader.iteration}\n")
     return stages
