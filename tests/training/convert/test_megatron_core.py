@@ -4,8 +4,9 @@ Export: a tiny LLaMA-style and GPT-style model of ours is written as Megatron-LM
 as Megatron-Core's `torch_dist` for tp 1 and tp 2; a Megatron-Core `GPTModel` (local layer spec) of the
 same shape, run with that tensor-parallel size, loads the files strictly and gives our logits. Import:
 a `GPTModel` saves both formats (its own `state_dict` / `dist_checkpointing.save`) at tp 1 and 2; we
-convert them and give its logits. Megatron-Core is imported only in the gloo workers, with three of
-its CUDA assumptions patched for the duration of each call (see `_megatron_core_on_cpu`).
+convert them and give its logits. Megatron-Core is imported only in gloo workers of this module's own
+pools (closed at its end, so its global state never meets another test), with three of its CUDA
+assumptions patched for the duration of each call (see `_megatron_core_on_cpu`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from megatron_pp.training.convert import (
 from megatron_pp.training.convert.megatron_lm import megatron_lm_args, rank_directory
 from megatron_pp.training.convert.megatron_pp import write_megatron_pp
 from megatron_pp.training.convert.torch_dist import MCORE_VERSION_CHECKED
-from tests.dist import run_distributed
+from megatron_pp.core.local_world import WorkerPool
 
 SEQ = 16
 ATOL = 2e-5  # fp32; the two implementations order some reductions differently
@@ -122,7 +123,7 @@ def _megatron_core_on_cpu(tp: int):
     mcore_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     try:
         if not parallel_state.model_parallel_is_initialized():
-            # Kept for the worker's life, like ctx.parallel_state's groups: no other test uses Megatron-Core.
+            # Kept for the life of the worker, which only this module's tests use (`mcore_run`).
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         assert parallel_state.get_tensor_model_parallel_world_size() == tp
         yield
@@ -253,6 +254,21 @@ def _mcore_saves(ctx, fmt: str, root: str, config_json: dict, tokens: torch.Tens
 
 
 @pytest.fixture(scope="module")
+def mcore_run():
+    """`run(world_size, fn, *args)` on gloo workers reserved for this module, closed when it ends."""
+    pools: dict[int, WorkerPool] = {}
+
+    def run(world_size: int, fn, *args):
+        if world_size not in pools:
+            pools[world_size] = WorkerPool(world_size)
+        return pools[world_size].run(fn, *args)
+
+    yield run
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module")
 def ours(tmp_path_factory):
     """Per flavour: our model saved as a megatron_pp checkpoint, and its logits."""
     made = {}
@@ -269,13 +285,13 @@ EXPORTS = [(flavour, fmt, tp) for flavour in ("llama", "gpt") for fmt in ("megat
 
 
 @pytest.mark.parametrize("flavour,fmt,tp", EXPORTS, ids=[f"{f}-{m}-tp{t}" for f, m, t in EXPORTS])
-def test_megatron_core_loads_our_export_and_gives_our_logits(ours, tmp_path, flavour, fmt, tp):
+def test_megatron_core_loads_our_export_and_gives_our_logits(mcore_run, ours, tmp_path, flavour, fmt, tp):
     root, config, expected = ours[flavour]
     save = str(tmp_path / fmt)
     result = convert_checkpoint("megatron_pp", fmt, root, save, layout=TargetLayout(tp=tp), transformer_impl="local",
                                 progress=False)
     assert result.config.vocab_size == 500
-    logits = run_distributed(tp, _mcore_loads, fmt, save, config_to_json(config), _tokens(config))[0]
+    logits = mcore_run(tp, _mcore_loads, fmt, save, config_to_json(config), _tokens(config))[0]
     torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
     # And back: the export imports to the very tensors it came from.
     back = dict(read_full_state(save, fmt))
@@ -287,12 +303,12 @@ IMPORTS = [("llama", fmt, tp) for fmt in ("torch", "torch_dist") for tp in (1, 2
 
 
 @pytest.mark.parametrize("flavour,fmt,tp", IMPORTS, ids=[f"{f}-{m}-tp{t}" for f, m, t in IMPORTS])
-def test_megatron_core_checkpoint_imports_with_its_logits(tmp_path, flavour, fmt, tp):
+def test_megatron_core_checkpoint_imports_with_its_logits(mcore_run, tmp_path, flavour, fmt, tp):
     config = _config(flavour)
     tokens = _tokens(config)
     root = str(tmp_path / "mcore")
     os.makedirs(root)
-    expected = run_distributed(tp, _mcore_saves, fmt, root, config_to_json(config), tokens, 3)[0]
+    expected = mcore_run(tp, _mcore_saves, fmt, root, config_to_json(config), tokens, 3)[0]
     source = "megatron_lm" if fmt == "torch" else "torch_dist"
     torch.testing.assert_close(_imported_logits(source, root, tokens, tmp_path), expected, rtol=0, atol=ATOL)
 
