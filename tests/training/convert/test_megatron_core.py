@@ -335,3 +335,55 @@ def test_virtual_pipeline_export_round_trips(ours, tmp_path):
     for fmt, path in (("megatron_lm", save), ("torch_dist", dist_save)):
         for name, tensor in read_full_state(path, fmt):
             assert torch.equal(tensor, reference[name]), (fmt, name)
+
+
+def test_torch_dist_model_keys_megatron_pp_lacks_are_refused(ours, tmp_path):
+    """A torch_dist checkpoint with a model tensor we have no place for (here a MoE router) is refused by
+    name, not silently dropped; optimizer and `_extra_state` entries are skipped."""
+    from megatron_pp.core.dcp_files import ChunkToWrite, DcpIndex, write_dcp
+
+    root, _, _ = ours["llama"]
+    export = str(tmp_path / "export")
+    convert_checkpoint("megatron_pp", "torch_dist", root, export, progress=False)
+    source = DcpIndex(iteration_dir(export, 0))
+    tampered = tmp_path / "tampered"
+    directory = tampered / "iter_0000000"
+    directory.mkdir(parents=True)
+    for name in ("common.pt", "metadata.json"):
+        (directory / name).write_bytes((tmp_path / "export" / "iter_0000000" / name).read_bytes())
+    (tampered / "latest_checkpointed_iteration.txt").write_text("0")
+    chunks = [ChunkToWrite(key, info.shape, (0,) * len(info.shape), info.shape, info.dtype, key)
+              for key, info in source.keys.items() if info is not None]
+    chunks.append(ChunkToWrite("decoder.layers.mlp.router.weight", (4, 8, 64), (0, 0, 0), (4, 8, 64), torch.float32,
+                               None))
+
+    def fetch(key):
+        if key is None:
+            return torch.zeros(4, 8, 64)
+        shape = source.keys[key].shape
+        return source.read(key, (0,) * len(shape), shape)
+
+    write_dcp(str(directory), chunks, {}, fetch)
+    with pytest.raises(ValueError, match="decoder.layers.mlp.router.weight is not part of a GPT or LLaMA model"):
+        convert_checkpoint("torch_dist", "megatron_pp", str(tampered), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_exports_and_says_how_megatron_lm_loads_it(ours, tmp_path, capsys):
+    import importlib.util as util
+
+    spec = util.spec_from_file_location("convert_checkpoint_cli", os.path.join(
+        os.path.dirname(__file__), "..", "..", "..", "tools", "convert_checkpoint.py"))
+    cli = util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    root, _, _ = ours["gpt"]
+    save = str(tmp_path / "mlm")
+    assert cli.main(["--source-format", "megatron_pp", "--target-format", "megatron_lm", "--load-dir", root,
+                     "--save-dir", save, "--target-pipeline-parallel-size", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "layers per global stage: [0-2, 2-4]" in out
+    assert f"--load {save} --use-checkpoint-args --finetune" in out and "--no-load-optim --no-load-rng" in out
+    head = torch.load(os.path.join(iteration_dir(save, 0), "mp_rank_00_001", "model_optim_rng.pt"), weights_only=False)
+    # GPT-style: tied embedding, so the head stage holds the copy as Megatron-Core's output_layer.weight.
+    assert head["args"].openai_gelu and not head["args"].untie_embeddings_and_output_weights
+    assert "output_layer.weight" in head["model"] and "embedding.word_embeddings.weight" not in head["model"]
