@@ -4,7 +4,8 @@ Export: a tiny LLaMA-style and GPT-style model of ours is written as Megatron-LM
 as Megatron-Core's `torch_dist` for tp 1 and tp 2; a Megatron-Core `GPTModel` (local layer spec) of the
 same shape, run with that tensor-parallel size, loads the files strictly and gives our logits. Import:
 a `GPTModel` saves both formats (its own `state_dict` / `dist_checkpointing.save`) at tp 1 and 2; we
-convert them and give its logits. Megatron-Core is imported only in gloo workers of this module's own
+convert them and give its logits. A pp 2 x 2 virtual-stage export runs as four chained GPTModel chunks.
+Megatron-Core is imported only in gloo workers of this module's own
 pools (closed at its end, so its global state never meets another test), with three of its CUDA
 assumptions patched for the duration of each call (see `_megatron_core_on_cpu`).
 """
@@ -153,7 +154,8 @@ def _child_processes_allowed():
         process._config["daemon"] = daemon
 
 
-def _mcore_model(config: TransformerConfig, tp: int):
+def _mcore_model(config: TransformerConfig, tp: int, num_layers: int = None, pre_process: bool = True,
+                 post_process: bool = True):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig as McoreConfig
@@ -161,7 +163,7 @@ def _mcore_model(config: TransformerConfig, tp: int):
 
     swiglu = config.activation == "swiglu"
     mcore_config = McoreConfig(
-        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_layers=num_layers or config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         num_query_groups=config.query_groups, ffn_hidden_size=config.ffn_size, kv_channels=config.head_dim,
         normalization=config.normalization, layernorm_epsilon=config.norm_epsilon, gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else openai_gelu, add_bias_linear=config.add_bias_linear,
@@ -172,7 +174,7 @@ def _mcore_model(config: TransformerConfig, tp: int):
                     vocab_size=config.padded_vocab_size(tp), max_sequence_length=config.num_positions,
                     position_embedding_type=config.position_embedding_type, rotary_base=int(config.rotary_base),
                     share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
-                    parallel_output=False)
+                    parallel_output=False, pre_process=pre_process, post_process=post_process)
 
 
 def _mcore_logits(model, config: TransformerConfig, tokens: torch.Tensor) -> torch.Tensor:
@@ -202,6 +204,28 @@ def _mcore_loads(ctx, fmt: str, root: str, config_json: dict, tokens: torch.Tens
             assert loaded["checkpoint_version"] == 3.0 and loaded["args"].ckpt_format == "torch_dist"
             model.load_state_dict(loaded["model"], strict=True)
         return _mcore_logits(model, config, tokens)
+
+
+def _mcore_pipeline(ctx, root: str, config_json: dict, pp: int, chunks: int, tokens: torch.Tensor):
+    """Every model chunk of a pp x virtual-stage export as its own GPTModel (pre_process on the first
+    global stage, post_process on the last), each loading its file's `model{c}` strictly, run in stage
+    order with the hidden states handed on as a pipeline schedule would; the last stage's logits."""
+    config = config_from_json(config_json)
+    stages = split_layers(config.num_layers, pp, chunks)
+    directory = iteration_dir(root, result_iteration(root))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)[None, None]
+    hidden = None
+    with _megatron_core_on_cpu(1), torch.no_grad():
+        for spec in stages:
+            model = _mcore_model(config, 1, len(spec.layers), spec.has_embedding, spec.has_head).eval()
+            state = torch.load(os.path.join(directory, rank_directory(0, spec.stage % pp, pp), "model_optim_rng.pt"),
+                               weights_only=False)
+            model.load_state_dict(state[f"model{spec.stage // pp}"], strict=True)
+            if not spec.has_embedding:
+                model.set_input_tensor(hidden)
+            hidden = model(tokens if spec.has_embedding else None, positions, attention_mask=causal)
+    return hidden[..., : config.vocab_size]
 
 
 def _perturb_mcore(model, seed: int, rank: int) -> None:
@@ -311,6 +335,18 @@ def test_megatron_core_checkpoint_imports_with_its_logits(mcore_run, tmp_path, f
     expected = mcore_run(tp, _mcore_saves, fmt, root, config_to_json(config), tokens, 3)[0]
     source = "megatron_lm" if fmt == "torch" else "torch_dist"
     torch.testing.assert_close(_imported_logits(source, root, tokens, tmp_path), expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt"])
+def test_megatron_core_runs_our_pipelined_export_chunk_by_chunk(mcore_run, ours, tmp_path, flavour):
+    """pp 2 with 2 virtual stages: 4 GPTModel chunks (the GPT-style head holding the tied embedding's copy as
+    output_layer.weight) load their `model0`/`model1` entries strictly and, chained, give our logits."""
+    root, config, expected = ours[flavour]
+    save = str(tmp_path / "pp2vp2")
+    convert_checkpoint("megatron_pp", "megatron_lm", root, save, layout=TargetLayout(pp=2, vp=2),
+                       transformer_impl="local", progress=False)
+    logits = mcore_run(1, _mcore_pipeline, save, config_to_json(config), 2, 2, _tokens(config))[0]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
 
 
 def test_virtual_pipeline_export_round_trips(ours, tmp_path):
