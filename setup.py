@@ -29,6 +29,8 @@ setup(
     ],
     extras_require={
         "gpu": ["flash-attn"],
-        "dev": ["pytest", "hypothesis"],
+        # megatron-core (the checkpoint conversion tests run its GPTModel) is installed by launch/setup.sh
+        # with --no-deps, pinned, so pip never touches the torch build; psutil is what its checkpoint writer needs.
+        "dev": ["pytest", "hypothesis", "psutil"],
     },
 )

@@ -1,4 +1,4 @@
-"""Convert checkpoints between Hugging Face, megatron_pp and Megatron-LM, or reshard a megatron_pp checkpoint.
+"""Convert checkpoints between Hugging Face, megatron_pp and Megatron-LM (torch and torch_dist formats), or reshard.
 
     # Hugging Face LLaMA / GPT-2 -> megatron_pp for tp=2, pp=2 (then train with --load OUT --finetune)
     python tools/convert_checkpoint.py --source-format hf --target-format megatron_pp \
@@ -14,6 +14,10 @@
     # Megatron-LM torch-format checkpoint (mp_rank_*/model_optim_rng.pt) -> megatron_pp
     python tools/convert_checkpoint.py --source-format megatron_lm --target-format megatron_pp \
         --load-dir megatron-ckpt --save-dir ours --true-vocab-size 50257
+    # megatron_pp -> Megatron-LM: torch format for tp=2, pp=2 (or --target-format torch_dist)
+    python tools/convert_checkpoint.py --source-format megatron_pp --target-format megatron_lm \
+        --load-dir checkpoints/run1 --save-dir run1-megatron \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
 Weights stream one tensor at a time; the output appears only when complete, in a --save-dir that must
 be new or empty. Bad input prints one line on stderr and exits with status 2. See
@@ -40,6 +44,7 @@ from megatron_pp.training.convert import (  # noqa: E402
     DEFAULT_MAX_SHARD_BYTES,
     SOURCE_FORMATS,
     TARGET_FORMATS,
+    TRANSFORMER_IMPLS,
     TargetLayout,
     convert_checkpoint,
     training_flags,
@@ -64,10 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=TARGET_FORMATS, required=True)
     parser.add_argument("--load-dir", required=True,
                         help="Hugging Face model directory, megatron_pp --save directory (or one iter_* in it), or "
-                             "Megatron-LM checkpoint directory")
+                             "Megatron-LM checkpoint directory (torch or torch_dist format)")
     parser.add_argument("--save-dir", required=True, help="new or empty directory for the result")
 
-    layout = parser.add_argument_group("megatron_pp target layout (the training run's flags, with --target-)")
+    layout = parser.add_argument_group("target layout of megatron_pp and Megatron-LM targets (the training run's "
+                                       "flags, with --target-)")
     layout.add_argument("--target-tensor-parallel-size", type=int, default=1)
     layout.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     layout.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None)
@@ -87,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--true-vocab-size", type=int, default=None,
                        help="the real vocabulary size: embedding rows beyond it are dropped (e.g. set it to the "
                             "tokenizer's size); Megatron-LM default: args.vocab_size, else the padded size")
+    other.add_argument("--target-transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
+                       help="Megatron-LM targets: the --transformer-impl the checkpoint will be loaded with; it "
+                            "decides the norms' names in the torch format (default: Megatron-LM's, "
+                            "transformer_engine)")
     other.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                        help="Hugging Face targets: largest safetensors file (default 5GiB)")
     other.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,17 +122,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.source_format, args.target_format, args.load_dir, args.save_dir, layout=layout,
             dtype=_DTYPES[args.target_params_dtype] if args.target_params_dtype else None,
             tokenizer_dir=args.tokenizer_dir, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            true_vocab_size=args.true_vocab_size, max_shard_bytes=args.max_shard_size, progress=not args.no_progress,
+            true_vocab_size=args.true_vocab_size, max_shard_bytes=args.max_shard_size,
+            transformer_impl=args.target_transformer_impl, progress=not args.no_progress,
         )
     except (UsageError, ValueError, OSError) as exc:
         print(f"{_PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(f"{result.save_dir}: {args.target_format} checkpoint, {len(result.files)} weight file(s)")
-    if args.target_format == "megatron_pp":
+    if result.stages is not None:
         split = ", ".join(f"{s.layer_start}-{s.layer_end}" for s in result.stages)
         print(f"layers per global stage: [{split}]")
+    if args.target_format == "megatron_pp":
         flags = ["--load", result.save_dir, "--finetune", *layout.training_flags(), *training_flags(result.config)]
         print("train it with:", " ".join(flags))
+    elif args.target_format in ("megatron_lm", "torch_dist"):
+        print("load it in Megatron-LM with: --load", result.save_dir, "--use-checkpoint-args --finetune",
+              "(or --no-load-optim --no-load-rng to continue at its iteration)" if args.target_format == "megatron_lm"
+              else "(or without --finetune to continue at its iteration)")
     return 0
 
 

@@ -179,21 +179,47 @@ def _layout(train: TrainingState) -> dict[str, Any]:
             "stages": [dataclasses.asdict(s) for s in train.stages]}
 
 
-def _config_json(config: TransformerConfig) -> dict[str, Any]:
+def config_to_json(config: TransformerConfig) -> dict[str, Any]:
+    """The config as JSON values (the dtype as its name, e.g. "torch.bfloat16"), as metadata.json holds it."""
     values = dataclasses.asdict(config)
     values["params_dtype"] = str(config.params_dtype)
     return values
 
 
+def config_from_json(values: dict[str, Any]) -> TransformerConfig:
+    """Inverse of `config_to_json`; a field this code does not know is an error, not silently dropped."""
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise CheckpointError(f"the checkpoint's model config has fields this version does not know: "
+                              f"{', '.join(unknown)}")
+    values = dict(values)
+    dtype_name = str(values.pop("params_dtype", "torch.float32")).removeprefix("torch.")
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"the checkpoint's model config has an unknown params_dtype {dtype_name!r}")
+    return TransformerConfig(**values, params_dtype=dtype)
+
+
 # Writing ----------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new file in `path` durable (a directory entry is data of the directory)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: str, value: Any) -> None:
+    """Write `value` as indented JSON and fsync it (non-JSON values, e.g. dtypes, as their str)."""
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # Called with each shard's path before it is written; fault injection uses it to simulate a full disk or
@@ -225,7 +251,7 @@ def write_text_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _agree(error: Optional[BaseException], action: str) -> None:
@@ -308,17 +334,14 @@ def save_checkpoint(
             "world_size": state.world_size,
             "layout": _layout(train),
             "schedule": train.schedule_name,
-            "model": _config_json(train.config),
+            "model": config_to_json(train.config),
             "model_shape": model_shape(train.config),
             "optimizer": {"saved": save_optimizer and train.optimizer is not None,
                           "sharded_by_dp": train.optimizer_sharded_by_dp},
             **(extra_metadata or {}),
         }
-        with open(os.path.join(tmp, METADATA_FILE), "w") as f:
-            json.dump(metadata, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        write_json(os.path.join(tmp, METADATA_FILE), metadata)
+        fsync_dir(tmp)
         if os.path.exists(final):
             # Re-saving an iteration (a run resumed from an earlier one): the tracker does not point at
             # `final` (it would have been loaded), so replacing it never orphans the tracker.
@@ -328,7 +351,7 @@ def save_checkpoint(
             shutil.rmtree(stale)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         write_text_atomic(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
 
     _run_agreed(f"publishing checkpoint {final}", publish)

@@ -400,12 +400,15 @@ def _megatron_enum_module():
     modules[names[-1]].AttnBackend = FakeAttnBackend
     saved = (FakeAttnBackend.__module__, FakeAttnBackend.__qualname__)
     FakeAttnBackend.__module__, FakeAttnBackend.__qualname__ = names[-1], "AttnBackend"
+    # The real megatron-core may be installed (a test dependency) and imported: put its modules back after.
+    previous = {name: sys.modules[name] for name in names if name in sys.modules}
     sys.modules.update(modules)
     try:
         yield
     finally:
         for name in names:
             del sys.modules[name]
+        sys.modules.update(previous)
         FakeAttnBackend.__module__, FakeAttnBackend.__qualname__ = saved
 
 
