@@ -10,7 +10,6 @@ reported once. The median of the rounds is the figure in docs/benchmarks.md.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics

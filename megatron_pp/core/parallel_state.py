@@ -363,17 +363,3 @@ def init_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return launch
-    if dist.is_initialized():
-        return launch
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return launch
