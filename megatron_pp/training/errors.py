@@ -95,7 +95,7 @@ def agree_on_usage_errors(lines: Sequence[str], store: Optional[object], rank: i
                 print_error(line)
         elif first[line]:
             print_error(_attributed(line, rank, count))
-    _leave_together(store, prefix, rank, world_size)
+    _leave_together(store, prefix, world_size)
     # Not sys.exit: tearing down an interpreter with torch loaded takes a while, and Python restores the
     # default SIGTERM action for it, so the agent's SIGTERM would turn this rank's status into -15.
     sys.stdout.flush()
@@ -103,20 +103,20 @@ def agree_on_usage_errors(lines: Sequence[str], store: Optional[object], rank: i
     os._exit(EXIT_USAGE)
 
 
-def _leave_together(store: object, prefix: str, rank: int, expected: int, timeout_s: float = 10.0) -> None:
-    """Rank 0 of a plain launch hosts the store: it waits (bounded) until the `expected` ranks that use
-    it here are done reading, so that none of them meets a closed socket instead of its verdict."""
-    done = store.add(f"{prefix}done", 1)
-    if rank != 0 or done >= expected:
-        return
+def _leave_together(store: object, prefix: str, expected: int, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until the `expected` ranks that print or stay silent here are all done. A rank that
+    left early would hand its launcher a reason to stop the others (srun --kill-on-bad-exit, the torchrun
+    agent) before one of them printed the line, and rank 0 of a plain launch hosts the store itself."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
+    try:
+        if store.add(f"{prefix}done", 1) >= expected:
+            return
+        while time.monotonic() < deadline:
             if store.add(f"{prefix}done", 0) >= expected:
                 return
-        except Exception:
-            return
-        time.sleep(0.05)
+            time.sleep(0.02)
+    except Exception:  # the store's host left first: everything that needed it has been said
+        return
 
 
 def report_runtime_error(line: str, store: Optional[object], rank: int, world_size: int,
@@ -150,8 +150,5 @@ def report_runtime_error(line: str, store: Optional[object], rank: int, world_si
         return
     if printer == rank:
         print_error(line if count == world_size else _attributed(line, rank, count))
-    if rank == 0:
-        _leave_together(store, key, rank, count)
-    else:
-        store.add(key + "done", 1)
+    _leave_together(store, key, count)
 
