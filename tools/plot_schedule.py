@@ -18,6 +18,11 @@ schedules that take it, places them. `--json` writes the validated action lists 
 fraction, peak stashes and the options (with `--compare`, one such record per schedule). Bad input
 prints one line on stderr and exits with status 2.
 
+The training scripts' flags draw the run they describe: `--pipeline-schedule`, `--pipeline-model-parallel-size`,
+`--num-virtual-stages-per-pipeline-rank` or `--num-layers` with `--num-layers-per-virtual-pipeline-stage`
+(v derived by the training code's own `num_chunks`), `--global-batch-size` with `--micro-batch-size` (and
+`--data-parallel-size`) for m, and every schedule option's flag (`--interleave-group-size`, ...).
+
 `--trace-file` takes a training run's `--trace-file` (one process per pipeline rank) and draws what the
 run executed, on the trace's one clock in milliseconds, between the simulated timeline and the stash
 curves, so the bubbles the simulator predicts can be checked against the ones the run had; every action
@@ -45,6 +50,7 @@ from megatron_pp.schedules.registry import (build_schedule, get_schedule, regist
 from megatron_pp.schedules.schedule_file import (FILE_SCHEDULE_OPTIONS, build_schedule_from_file,  # noqa: E402
                                                  schedule_to_json)
 from megatron_pp.schedules.simulate import DEFAULT_TRANSFER, CostModel, SimResult, simulate  # noqa: E402
+from megatron_pp.training.arguments import num_chunks  # noqa: E402
 
 _PROG = "plot_schedule.py"
 
@@ -66,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="microbatches per step m (required with --schedule/--compare)")
     parser.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=None,
                         help="model chunks per rank v (default 1)")
+    # The training scripts' way to give v and m, so their command line draws as it trains.
+    parser.add_argument("--num-layers", type=int, default=None, help="with --num-layers-per-virtual-pipeline-stage")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="v = layer slots / (p x this), as pretrain_gpt.py derives it")
+    parser.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    parser.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="with --micro-batch-size (and --data-parallel-size): m = global / (micro x dp)")
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="data-parallel replicas (default 1)")
     # The schedules' own option flags, as the training scripts take them, so a run's flags can be pasted.
     for option in schedule_options():
         if option.flag == "--offload-time":  # this tool's own flag: it also times the copies
@@ -112,6 +128,33 @@ def _parse_options(items: Sequence[str]) -> dict[str, object]:
     return options
 
 
+def _training_sizes(args: argparse.Namespace) -> None:
+    """Fill --chunks and --microbatches from the training flags that imply them (UsageError on a clash)."""
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.num_layers is None or args.pp is None:
+            raise UsageError("--num-layers-per-virtual-pipeline-stage needs --num-layers and "
+                             "--pipeline-model-parallel-size")
+        try:
+            chunks = num_chunks(argparse.Namespace(**{**vars(args), "num_virtual_stages_per_pipeline_rank": args.chunks,
+                                                      "pipeline_model_parallel_size": args.pp}),
+                                argparse.Namespace(num_layers=args.num_layers))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        args.chunks = chunks
+    if args.global_batch_size is not None or args.micro_batch_size is not None:
+        if args.global_batch_size is None or args.micro_batch_size is None:
+            raise UsageError("give --global-batch-size and --micro-batch-size together")
+        per_step = args.micro_batch_size * args.data_parallel_size
+        if args.micro_batch_size < 1 or args.data_parallel_size < 1 or args.global_batch_size % per_step:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                             f"{args.micro_batch_size} x --data-parallel-size {args.data_parallel_size}")
+        m = args.global_batch_size // per_step
+        if args.microbatches is not None and args.microbatches != m:
+            raise UsageError(f"--microbatches {args.microbatches} disagrees with --global-batch-size / "
+                             f"(--micro-batch-size x --data-parallel-size) = {m}")
+        args.microbatches = m
+
+
 def _parse_weights(text: str | None) -> list[float] | None:
     if text is None:
         return None
@@ -130,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("give exactly one of --schedule, --compare and --pipeline-schedule-file")
         if args.out is None and args.json is None and args.export_schedule is None:
             raise UsageError("nothing to write: give --out, --json or --export-schedule")
+        _training_sizes(args)
         if args.pipeline_schedule_file is None and (args.pp is None or args.microbatches is None):
             raise UsageError("--pp and --microbatches are required with --schedule and --compare")
         options = _parse_options(args.option)

@@ -125,3 +125,17 @@ def test_a_trace_of_another_run_is_refused_in_one_line(tmp_path, capsys):
     assert plot_schedule.main(base[:-4] + ["--pp", "2", "--trace-file", str(tmp_path / "bad.json"),
                               "--out", str(tmp_path / "s.png")]) == 2
     assert "not a trace written by --trace-file" in capsys.readouterr().err
+
+
+def test_layers_per_virtual_stage_and_batch_sizes_give_v_and_m_as_training_does(tmp_path, capsys):
+    js = tmp_path / "s.json"
+    argv = ["--pipeline-schedule", "interleaved-1f1b", "--pipeline-model-parallel-size", "2", "--num-layers", "8",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "16", "--micro-batch-size", "2",
+            "--data-parallel-size", "2", "--json", str(js)]
+    assert plot_schedule.main(argv) == 0
+    record = json.loads(js.read_text())
+    assert (record["num_chunks"], record["num_microbatches"]) == (2, 4)
+    assert plot_schedule.main(argv[:-2] + ["--microbatches", "5", "--json", str(js)]) == 2
+    assert "--microbatches 5 disagrees" in capsys.readouterr().err
+    assert plot_schedule.main([a if a != "8" else "6" for a in argv]) == 2
+    assert "--num-layers-per-virtual-pipeline-stage 2 does not divide 6 layer slots" in capsys.readouterr().err
