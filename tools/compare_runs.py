@@ -1,8 +1,14 @@
-"""Compare training runs from their `--metrics-file` JSONL files (or wandb offline run directories).
+"""Compare training runs from their `--metrics-file` JSONL files, wandb run directories or TensorBoard directories.
 
     python tools/compare_runs.py runs/a.jsonl runs/b.jsonl --labels 1f1b interleaved --plot runs/cmp.png
     python tools/compare_runs.py runs/ref.jsonl runs/new.jsonl --assert-equal-loss --rtol 1e-5 \
         --max-slowdown 0.05
+
+A TensorBoard directory (`--tensorboard-dir` of ours, or of a Megatron-LM run) is read through tensorboard's
+event reader: Megatron-LM's scalar names (`lm loss`, `iteration-time`, `learning-rate`, ...) map back to the
+row keys (`loss`, `step_time_s`, `lr`, ...; `metrics.MEGATRON_TENSORBOARD_NAMES`), `peak_stash_bytes/ppK`
+back to a list, and the `... vs samples` copies are skipped, so a Megatron-LM run and ours compare
+directly (a Megatron-LM run has no tokens/s or peak stash: those columns are then NaN or empty).
 
 Training rows (those with `loss`) are aligned by iteration; the first run is the reference. Prints a
 table of medians (step time, tokens/s, peak stash per pipeline rank) and ratios to the reference, the
@@ -17,10 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import glob
+import math
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+# Runnable as `python tools/compare_runs.py` from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_pp.training.metrics import MEGATRON_TENSORBOARD_NAMES  # noqa: E402
 
 
 class RunError(ValueError):
@@ -44,14 +58,55 @@ def _metrics_path(path: str) -> str:
             full = os.path.join(path, candidate)
             if os.path.isfile(full):
                 return full
-        raise RunError(f"{path}: directory holds no metrics.jsonl (expected a --metrics-file or a wandb run dir)")
+        raise RunError(f"{path}: directory holds no metrics.jsonl and no TensorBoard events (expected a "
+                       f"--metrics-file, a wandb run dir or a --tensorboard-dir)")
     if not os.path.isfile(path):
         raise RunError(f"{path}: no such file")
     return path
 
 
+_ROW_KEY = {name: key for key, name in MEGATRON_TENSORBOARD_NAMES.items()}
+_PER_RANK = re.compile(r"(.+)/pp(\d+)$")
+
+
+def tensorboard_rows(directory: str) -> dict[int, dict]:
+    """Rows by iteration from the scalars of a TensorBoard directory (ours or Megatron-LM's names)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError:
+        raise RunError(f"{directory}: reading TensorBoard events needs the tensorboard package "
+                       f"(pip install tensorboard)") from None
+    events = EventAccumulator(directory, size_guidance={SCALARS: 0})  # 0: keep every point
+    try:
+        events.Reload()
+    except Exception as exc:  # a damaged event file: the reader raises its own types
+        raise RunError(f"{directory}: cannot read TensorBoard events ({exc})") from None
+    rows: dict[int, dict] = {}
+    per_rank: dict[int, dict[str, dict[int, float]]] = {}
+    for tag in events.Tags().get("scalars", []):
+        if tag.endswith(" vs samples"):
+            continue
+        key = _ROW_KEY.get(tag, tag)
+        match = _PER_RANK.fullmatch(key)
+        for event in events.Scalars(tag):
+            if match:
+                per_rank.setdefault(event.step, {}).setdefault(match[1], {})[int(match[2])] = event.value
+            else:
+                rows.setdefault(event.step, {"iteration": event.step})[key] = event.value
+    for step, lists in per_rank.items():
+        for key, by_rank in lists.items():
+            rows.setdefault(step, {"iteration": step})[key] = [by_rank.get(k, math.nan)
+                                                               for k in range(max(by_rank) + 1)]
+    return rows
+
+
 def load_run(path: str, label: Optional[str] = None) -> Run:
     run = Run(label or os.path.basename(os.path.normpath(path)), path)
+    if os.path.isdir(path) and glob.glob(os.path.join(path, "events.out.tfevents.*")):
+        run.rows = {it: row for it, row in tensorboard_rows(path).items() if "loss" in row}
+        if not run.rows:
+            raise RunError(f"{path}: no training loss in its TensorBoard events (expected 'lm loss' or 'loss')")
+        return run
     source = _metrics_path(path)
     with open(source) as f:
         for lineno, line in enumerate(f, 1):
@@ -157,7 +212,8 @@ def plot(runs: Sequence[Run], out: str, skip_warmup: int) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="--metrics-file JSONL files or wandb offline run directories")
+    parser.add_argument("runs", nargs="+", help="--metrics-file JSONL files, wandb run directories or TensorBoard "
+                                               "directories (ours or Megatron-LM's)")
     parser.add_argument("--labels", nargs="+", default=None)
     parser.add_argument("--assert-equal-loss", action="store_true")
     parser.add_argument("--rtol", type=float, default=1e-5)

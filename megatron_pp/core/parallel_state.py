@@ -321,10 +321,25 @@ def write_pid_file(launch: LaunchEnv, environ: Optional[dict] = None) -> Optiona
     return path
 
 
+def rendezvous_store(launch: LaunchEnv, timeout_s: float = 600.0) -> Optional["dist.Store"]:
+    """The job's rendezvous TCPStore (None for a single process): a client of the torchrun agent's
+    store, or for a plain launch (srun, a script) one that rank 0 hosts. Made before the arguments are
+    checked so that the ranks can agree on a usage error (`training.errors`); `init_distributed` then
+    builds the process group on the same store, so one server serves the job."""
+    if launch.world_size == 1 and launch.source == "single":
+        return None
+    store, _, _ = next(dist.rendezvous(
+        f"tcp://{launch.master_addr}:{launch.master_port}?rank={launch.rank}&world_size={launch.world_size}",
+        timeout=datetime.timedelta(seconds=timeout_s)))
+    return store
+
+
 def init_distributed(
-    backend: Optional[str] = None, timeout_s: float = 600.0, environ: Optional[dict] = None
+    backend: Optional[str] = None, timeout_s: float = 600.0, environ: Optional[dict] = None,
+    store: Optional["dist.Store"] = None,
 ) -> LaunchEnv:
-    """Initialise the default process group from the launcher's environment.
+    """Initialise the default process group from the launcher's environment (on `store`, the job's
+    `rendezvous_store`, when the caller already has it).
 
     A single process with no launcher gets no process group at all (plain `python pretrain_gpt.py`
     works and pays nothing). `backend` defaults to nccl when CUDA is available, else gloo.
@@ -338,9 +353,11 @@ def init_distributed(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
+    if store is None:
+        store = rendezvous_store(launch, timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        store=store,
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -73,6 +73,7 @@ class StepResult:
     comm_wait_s: float
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end), seconds
     peak_host_bytes: int = 0  # host buffers holding offloaded stashes (PipeOffload), peak over the step
+    started: float = 0.0  # time.perf_counter() when the step began: `events` are relative to it
 
 
 class ExecutorHooks:
@@ -252,6 +253,7 @@ class PipelineExecutor:
             comm_wait_s=self._wait_s + (self.comm.wait_s if self.comm is not None else 0.0),
             events=events,
             peak_host_bytes=getattr(self.store, "peak_host_bytes", 0),
+            started=t0,
         )
 
     # Compute ----------------------------------------------------------------------------------------------

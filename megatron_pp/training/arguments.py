@@ -28,7 +28,7 @@ import inspect
 import os
 import sys
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from megatron_pp.schedules.ir import Schedule
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins
 from megatron_pp.schedules.registry import schedule_options
 from megatron_pp.schedules.schedule_file import FILE_SCHEDULE_OPTIONS
+from megatron_pp.training.errors import agree_on_usage_errors
 
 # Fields that are not set by their own generated flag (Megatron spells them differently, or they are
 # derived from precision flags).
@@ -87,12 +88,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model-preset", default=None, help="Named preset (e.g. gpt3-125m, llama2-7b, gpt-tiny).")
 
 
+class ArgumentError(Exception):
+    """Usage errors found while parsing and validating, one line each (see `parse_args`)."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        super().__init__("; ".join(lines))
+        self.lines = list(lines)
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse prints a usage block before its message; a bad flag here is one line, like every other
     argument error (`error: ...`, exit status 2)."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        _fail([message])
+        raise ArgumentError([message])
 
 
 def build_parser(description: str = "megatron_pp pretraining") -> argparse.ArgumentParser:
@@ -811,35 +820,41 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None) -> a
     return args
 
 
-def _fail(lines: Sequence[str]) -> typing.NoReturn:
-    for line in lines:
-        # A value typed or read from a file may hold control characters: they must not break the line.
-        line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(line))
-        print(f"error: {line}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_args(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp pretraining",
-               default_preset: Optional[str] = None) -> argparse.Namespace:
-    """Parse (with --config), validate (exit 2 with one line per problem) and derive.
-
-    `default_preset` is the entry point's model when neither the command line nor the config file
-    names one (`--model-preset`) or describes one (`--num-layers`).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parse_and_validate(argv: Sequence[str], description: str, default_preset: Optional[str]) -> argparse.Namespace:
+    """Parse (with --config) and validate; raises ArgumentError with every problem found."""
+    argv = list(argv)
     try:
         load_plugins(argv)  # before the parser: a plugin's schedules and option flags are part of it
     except PluginError as exc:
-        _fail([str(exc)])
+        raise ArgumentError([str(exc)]) from exc
     parser = build_parser(description)
     try:
         argv = expand_config_file(parser, argv)
     except ConfigFileError as exc:
-        _fail(exc.lines)
+        raise ArgumentError(exc.lines) from exc
     args = parser.parse_args(argv)
     if default_preset is not None and args.model_preset is None and args.num_layers is None:
         args.model_preset = default_preset
     errors = validate_args(args)
     if errors:
-        _fail(errors)
+        raise ArgumentError(errors)
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp pretraining",
+               default_preset: Optional[str] = None,
+               agree: Optional[Callable[[list[str]], None]] = None) -> argparse.Namespace:
+    """Parse (with --config), validate and derive; on usage errors print one line per problem and exit 2.
+
+    `default_preset` is the entry point's model when neither the command line nor the config file
+    names one (`--model-preset`) or describes one (`--num-layers`). `agree(lines)` replaces the printing
+    and exit for a launched job: every rank calls it, with or without problems, and it returns only
+    when no rank has one (`errors.agree_on_usage_errors`).
+    """
+    try:
+        args, lines = _parse_and_validate(sys.argv[1:] if argv is None else argv, description, default_preset), []
+    except ArgumentError as exc:
+        args, lines = None, exc.lines
+    (agree or (lambda found: agree_on_usage_errors(found, None, 0, 1)))(lines)
+    assert args is not None  # `agree` returns only when no rank found a problem
     return derive_args(args)

@@ -262,7 +262,9 @@ def _agree(error: Optional[BaseException], action: str) -> None:
             raise error
         raise CheckpointError(f"{action}: {type(error).__name__}: {error}".replace("\n", " ")) from error
     if failed.item() > 0:
-        raise CheckpointError(f"{action} failed on another rank (see its error)")
+        echo = CheckpointError(f"{action} failed on another rank (see its error)")
+        echo.echo = True  # type: ignore[attr-defined]  # that rank prints the cause; see training.errors
+        raise echo
 
 
 def _run_agreed(action: str, fn: Callable[[], Any]) -> Any:

@@ -2,12 +2,15 @@
 
 The loop hands one *row* (a flat dict) per iteration and one per evaluation to `MetricsLogger`, on the
 logging rank only. Every sink gets every row: the `--metrics-file` JSONL file, TensorBoard scalars
-(`--tensorboard-dir`) and wandb (`--wandb-project`), all keyed by the row's own names so the three agree
-with each other and with `tools/compare_runs.py`. The console gets a Megatron-style line every
+(`--tensorboard-dir`) and wandb (`--wandb-project`). The console gets a Megatron-style line every
 `--log-interval` iterations, averaged over the interval, and, only when stdout is a terminal, a
-progress bar kept below the lines. TensorBoard takes Megatron-LM's names for the scalars it shares with it
-(`lm loss`, `learning-rate`, `grad-norm`, `iteration-time`, ...), so dashboards built for Megatron-LM runs
-show ours. A fresh run starts `--metrics-file` anew; a resumed one keeps the rows up to its checkpoint. Training rows carry `loss`; evaluation rows carry `eval_loss` and
+progress bar kept below the lines. TensorBoard and wandb take Megatron-LM's names for the scalars it
+has (`lm loss`, `learning-rate`, `grad-norm`, `iteration-time`, ..., and on TensorBoard also `lm loss vs
+samples` and the like), so a Megatron-LM run and ours overlay in one dashboard; what Megatron-LM has no
+scalar for (peak stash per pipeline rank, MFU, communication wait) keeps the row's names beside them.
+`tools/compare_runs.py` reads the JSONL file, a wandb run directory or a TensorBoard directory (ours or
+Megatron-LM's) alike. A fresh run starts `--metrics-file` anew; a resumed one keeps the rows up to its
+checkpoint. Training rows carry `loss`; evaluation rows carry `eval_loss` and
 `eval_ppl` instead, so a reader can tell them apart by key.
 
 wandb is imported only when asked for and runs offline unless `WANDB_API_KEY` is set and `WANDB_MODE`
@@ -158,9 +161,20 @@ MEGATRON_TENSORBOARD_NAMES = {
     "global_batch_size": "batch-size",
     "eval_loss": "lm loss validation",
     "eval_ppl": "lm loss validation ppl",
+    "tflops_per_gpu": "throughput",
 }
-"""Row keys that Megatron-LM writes to TensorBoard under another name: dashboards built for its runs read ours.
-The other keys keep the row's own names (`tokens_per_s`, `mfu`, `peak_stash_bytes/pp0`, ...)."""
+"""Row keys that Megatron-LM writes to TensorBoard and wandb under another name: dashboards built for its
+runs read ours. The other keys keep the row's own names beside them: what Megatron-LM has no scalar for
+(`peak_stash_bytes/pp0`, ... per pipeline rank, `mfu`, `hfu`, `comm_wait_s`, `tokens_per_s`)."""
+
+MEGATRON_VS_SAMPLES = ("lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm", "lm loss validation",
+                       "lm loss validation ppl")
+"""Scalars Megatron-LM also writes to TensorBoard against consumed samples, as `<name> vs samples`."""
+
+
+def dashboard_scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """A row's scalars as dashboards see them: Megatron-LM's names where it has the scalar, else our own."""
+    return {MEGATRON_TENSORBOARD_NAMES.get(key, key): value for key, value in flatten_row(row).items()}
 
 
 class TensorBoardSink:
@@ -170,8 +184,11 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def write(self, row: Row) -> None:
-        for key, value in flatten_row(row).items():
-            self.writer.add_scalar(MEGATRON_TENSORBOARD_NAMES.get(key, key), value, row["iteration"])
+        samples = row.get("consumed_samples")
+        for name, value in dashboard_scalars(row).items():
+            self.writer.add_scalar(name, value, row["iteration"])
+            if samples is not None and name in MEGATRON_VS_SAMPLES:
+                self.writer.add_scalar(f"{name} vs samples", value, samples)
         self.writer.flush()
 
     def close(self) -> None:
@@ -189,7 +206,7 @@ class WandbSink:
         self.rows = open(os.path.join(self.run.dir, "metrics.jsonl"), "a")
 
     def write(self, row: Row) -> None:
-        self.run.log(flatten_row(row), step=row["iteration"])
+        self.run.log(dashboard_scalars(row), step=row["iteration"])
         self.rows.write(json.dumps(row) + "\n")
         self.rows.flush()
 

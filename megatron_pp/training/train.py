@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from megatron_pp.core import comm
-from megatron_pp.core.parallel_state import ParallelState, init_distributed
+from megatron_pp.core.parallel_state import ParallelState, init_distributed, read_launch_env, rendezvous_store
 from megatron_pp.core.tensor_parallel import model_parallel_seed
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.transformer import RecomputeConfig, use_fused_rotary
@@ -41,6 +41,7 @@ from megatron_pp.training.checkpointing import (
     CheckpointError,
     TrainingState,
 )
+from megatron_pp.training.errors import EXIT_FAILURE, agree_on_usage_errors, report_runtime_error
 from megatron_pp.training.faults import FaultPlan
 from megatron_pp.training.flops import iteration_flops, peak_tflops
 from megatron_pp.training.layered import connect_optimizer, schedule_recompute
@@ -183,15 +184,10 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
         optimizer.reducer.close()
 
 
-# Errors that mean "the input is wrong" (a flag, a file, a checkpoint, a schedule that cannot run): one
-# line and exit 1. Every other exception is a bug and keeps its traceback. MEGATRON_PP_TRACEBACK=1 shows
-# the traceback of the input errors too.
+# Errors that mean "the input is wrong" (a file, a checkpoint, a schedule that cannot run), found once
+# the job runs: one line and exit 1. Every other exception is a bug and keeps its traceback.
+# MEGATRON_PP_TRACEBACK=1 shows the traceback of the input errors too.
 INPUT_ERRORS = (ValueError, OSError)
-
-
-def _fail(message: str) -> "typing.NoReturn":
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def start_watchdog(args: argparse.Namespace, launch: Any) -> Optional[Watchdog]:
@@ -205,27 +201,39 @@ def start_watchdog(args: argparse.Namespace, launch: Any) -> Optional[Watchdog]:
 def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp pretraining",
          default_preset: Optional[str] = None) -> None:
     """The entry point of pretrain_*.py: arguments, process group and watchdog, training, and the
-    error policy of docs/reliability.md (one line on stderr and a non-zero exit, never a hang)."""
-    args = parse_args(argv, description, default_preset)
+    error policy of docs/reliability.md (each error line once for the whole job, exit 2 for usage
+    errors and 1 for failures, never a hang)."""
+    launch = read_launch_env()
+    # The ranks meet on the rendezvous store before checking their arguments, so that a usage error is
+    # printed once for the job (`errors.agree_on_usage_errors`); the process group is built on it after.
+    store = rendezvous_store(launch)
+    args = parse_args(argv, description, default_preset,
+                      agree=lambda lines: agree_on_usage_errors(lines, store, launch.rank, launch.world_size))
     show_traceback = os.environ.get("MEGATRON_PP_TRACEBACK") == "1"
     watchdog: Optional[Watchdog] = None
+
+    def fail(exc: BaseException, agreed: bool) -> "typing.NoReturn":
+        if watchdog is not None:
+            watchdog.quiet()  # this rank's own error is the message, not the watchdog's
+        if show_traceback:
+            raise exc
+        # A rank whose agreed error only says "another rank failed" leaves the telling to that rank.
+        report_runtime_error(str(exc), store, launch.rank, launch.world_size, echo=getattr(exc, "echo", False))
+        if watchdog is not None:
+            if agreed:
+                watchdog.stop()  # every rank stops here by itself: nobody is to blame
+            else:
+                watchdog.report_failure()  # the others stop now, silently, instead of at a heartbeat timeout
+        sys.exit(EXIT_FAILURE)
+
     try:
-        launch = init_distributed(args.distributed_backend, timeout_s=60.0 * args.distributed_timeout_minutes)
+        init_distributed(args.distributed_backend, timeout_s=60.0 * args.distributed_timeout_minutes, store=store)
         watchdog = start_watchdog(args, launch)
         pretrain(args)
     except (CheckpointError, TrainingStopped) as exc:
-        # Every rank raises the same agreed error in the same place: no rank is to blame.
-        if watchdog is not None:
-            watchdog.stop()
-        if show_traceback:
-            raise
-        _fail(str(exc))
+        fail(exc, agreed=True)  # every rank raises the same agreed error in the same place
     except INPUT_ERRORS as exc:
-        if watchdog is not None:
-            watchdog.report_failure()  # the other ranks stop now instead of waiting for a heartbeat timeout
-        if show_traceback:
-            raise
-        _fail(str(exc))
+        fail(exc, agreed=False)
     except RuntimeError:
         # A collective failed: usually a peer died (gloo: "connection closed by peer"). Let the watchdog
         # name it; it ends this process. Without a verdict, it is a bug: keep the traceback.

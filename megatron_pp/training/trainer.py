@@ -22,6 +22,9 @@ import torch
 
 from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.schedules.execute import StepResult
+from megatron_pp.training import clock
+from megatron_pp.training.clock import ClockSync, JobClock
 from megatron_pp.training.checkpointing import (
     CheckpointError,
     TrainingState,
@@ -71,6 +74,8 @@ class Trainer:
     progress: Progress = field(default_factory=Progress)
     last_saved: Optional[int] = None
     traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    """Per step, the executed actions as (label, start, end) on this rank's `time.perf_counter()`."""
+    clock_start: Optional[ClockSync] = None  # the trace's first clock sync (see training/clock.py)
     faults: FaultPlan = field(default_factory=lambda: FaultPlan([], 0, 1))
     on_iteration: Optional[Callable[[dict], None]] = None
     """Called on every rank with each training row (tools/soak.py samples memory through it)."""
@@ -119,7 +124,7 @@ class Trainer:
         self.progress.iteration += 1
         self.progress.consumed_samples += args.global_batch_size
         if args.trace_file:
-            self.traces.append(result.events)
+            self.traces.append(local_events(result))
         tflops = self.flops.model / step_time / state.world_size / 1e12
         hardware_tflops = self.flops.hardware / step_time / state.world_size / 1e12
         return {
@@ -286,6 +291,8 @@ class Trainer:
 
         last_eval: Optional[int] = None
         stop: Optional[str] = None
+        if args.trace_file:
+            self.clock_start = clock.measure()
         while self.progress.iteration < args.train_iters:
             iteration = self.progress.iteration + 1
             evaluate = evaluation_enabled(args) and iteration % args.eval_interval == 0
@@ -320,8 +327,21 @@ class Trainer:
             if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
                 self.save()
         if args.trace_file:
-            self.steps.write_trace(args.trace_file)
+            self.write_trace(args.trace_file)
         return rows
+
+    def write_trace(self, path: str) -> None:
+        """Gather every rank's actions on rank 0's clock and write them (collective)."""
+        assert self.clock_start is not None
+        job_clock = JobClock(self.clock_start, clock.measure())
+        events = [(label, job_clock.to_job(s), job_clock.to_job(e)) for step in self.traces for label, s, e in step]
+        gathered = comm.all_gather_object((events, job_clock.start.offset, job_clock.end.offset, job_clock.error))
+        if self.state.rank == 0:
+            write_trace(path, [g[0] for g in gathered], clock_notes={
+                "clock": "rank 0's time.perf_counter(); other ranks mapped by offsets measured at a barrier "
+                         "(min round trip of 8) when tracing started and ended, linear in between",
+                "offset_start_s": [g[1] for g in gathered], "offset_end_s": [g[2] for g in gathered],
+                "error_bound_s": [g[3] for g in gathered]})
 
 
 class StepDriver(Protocol):
@@ -342,8 +362,6 @@ class StepDriver(Protocol):
     def schedule_state(self) -> dict: ...
 
     def load_schedule_state(self, state: dict) -> None: ...
-
-    def write_trace(self, path: str) -> None: ...
 
 
 class FlushedSteps:
@@ -369,9 +387,6 @@ class FlushedSteps:
 
     def load_schedule_state(self, state: dict) -> None:
         pass
-
-    def write_trace(self, path: str) -> None:
-        _gather_and_write_trace(path, self.trainer.traces, self.trainer.state)
 
 
 def _newest_checkpoint(save: Optional[str]) -> str:
@@ -409,26 +424,24 @@ def loggable_settings(values: dict) -> dict:
 # Trace ------------------------------------------------------------------------------------------------
 
 
-def write_trace(path: str, events_by_rank: list[list[tuple[str, float, float]]]) -> None:
-    """Chrome-trace / Perfetto JSON: one process row per global rank, one slice per action."""
-    trace = []
+def local_events(result: StepResult) -> list[tuple[str, float, float]]:
+    """A step's executed actions on this rank's `time.perf_counter()` (the executor's are step-relative)."""
+    return [(label, result.started + s, result.started + e) for label, s, e in result.events]
+
+
+def write_trace(path: str, events_by_rank: list[list[tuple[str, float, float]]],
+                clock_notes: Optional[dict] = None) -> None:
+    """Chrome-trace / Perfetto JSON: one process row per global rank ("rank N"), one slice per action;
+    times in seconds on one clock, written from the earliest event on."""
+    origin = min((start for events in events_by_rank for _, start, _ in events), default=0.0)
+    trace: list[dict] = []
     for rank, events in enumerate(events_by_rank):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
         for label, start, end in events:
-            trace.append({"name": label, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": (end - start) * 1e6,
-                          "cat": label.split()[0].rstrip("0123456789.@<>")})
+            trace.append({"name": label, "ph": "X", "pid": rank, "tid": 0, "ts": (start - origin) * 1e6,
+                          "dur": (end - start) * 1e6, "cat": label.split()[0].rstrip("0123456789.@<>")})
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": clock_notes or {}}, f)
     os.replace(tmp, path)
-
-
-def _gather_and_write_trace(path: str, traces: list, state: ParallelState) -> None:
-    # Steps follow each other on the time axis: offset every step by the previous steps' durations.
-    events: list[tuple[str, float, float]] = []
-    offset = 0.0
-    for step_events in traces:
-        events += [(lbl, s + offset, e + offset) for lbl, s, e in step_events]
-        offset = events[-1][2] if events else offset
-    gathered = comm.all_gather_object(events)
-    if state.rank == 0:
-        write_trace(path, gathered)

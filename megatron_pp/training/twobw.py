@@ -38,7 +38,7 @@ from megatron_pp.training.checkpointing import CheckpointError
 from megatron_pp.training.metrics import take_peak_memory
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.step import global_token_count
-from megatron_pp.training.trainer import Trainer, write_trace
+from megatron_pp.training.trainer import Trainer, local_events
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions
 
 
@@ -91,15 +91,15 @@ class DeferredUpdateSteps:
         multiplier = self.optimizer.begin_batch(batch)
         self.optimizer.reducer.start_step(m)
         segment = self.plan.segment(CallKind.of(self._fresh, flush), state.pp_rank, batch)
-        start, wall = time.perf_counter(), time.time()
+        start = time.perf_counter()
         result = trainer.pipe.executor.run(microbatches, loss_scale=multiplier / tokens, segment=segment)
         self.optimizer.finish_batch(batch)
         elapsed = time.perf_counter() - start
         del self._loaded[batch]
         self._fresh = flush
         self._calls[batch] = _Call(tokens, elapsed, result.comm_wait_s, self._start_metrics(result, exit_conditions))
-        if args.trace_file:  # calls overlap across ranks: keep wall-clock times, comparable between ranks
-            trainer.traces.append([(label, wall + s, wall + e) for label, s, e in result.events])
+        if args.trace_file:  # calls overlap across ranks: the trace puts every rank on one clock
+            trainer.traces.append(local_events(result))
         trainer.progress.iteration += 1
         trainer.progress.consumed_samples += args.global_batch_size
         return [self._row(b) for b in sorted(self.optimizer.outcomes)]
@@ -155,13 +155,6 @@ class DeferredUpdateSteps:
 
     def stop_after(self, iteration: int, exit_conditions: ExitConditions) -> Optional[str]:
         return None
-
-    def write_trace(self, path: str) -> None:
-        events = [event for call in self.trainer.traces for event in call]
-        gathered = comm.all_gather_object(events)
-        if self.state.rank == 0:
-            origin = min((start for rank in gathered for _, start, _ in rank), default=0.0)
-            write_trace(path, [[(label, s - origin, e - origin) for label, s, e in rank] for rank in gathered])
 
     def prepare_weights(self) -> None:
         self.versions.use(self.versions.newest)  # evaluation and the model files see the newest weights

@@ -30,7 +30,8 @@ rank 1 (the watcher of 2) sees counter 2 frozen and by t≈10-12.5 s sets failed
 `error: rank 2 failed or stopped responding (no heartbeat within 10 s); stopping rank N`. Ranks
 blocked on a peer that already failed with a gloo error wait for the same verdict (`wait_for_verdict`)
 so that they too name the rank that died, not the socket that closed. A rank that fails with its own
-error (a bad input file) records itself as failed (`report_failure`), so the others stop at once.
+error (a bad input file) prints it and records itself as failed (`report_failure`), so the others
+stop at once, without a line of their own: the job says what went wrong once.
 """
 from __future__ import annotations
 
@@ -97,11 +98,16 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s + 1.0)
 
+    def quiet(self) -> None:
+        """This rank is reporting its own error: from here on that is the message, not the watchdog's."""
+        self._stop.set()
+
     def report_failure(self) -> None:
-        """This rank is about to exit with its own error: name it to the others at once, so they stop
-        within one interval instead of a heartbeat timeout."""
-        self._stop.set()  # from here on this rank's own error is the message, not the watchdog's
+        """This rank is exiting with its own error, already printed: the others stop at once (within one
+        interval instead of a heartbeat timeout) and without a line of their own."""
+        self.quiet()
         try:
+            self.store.set(self._key("reported", self.rank), "1")
             self.store.compare_set(self._key("failed"), "", str(self.rank))
         except Exception:
             pass
@@ -168,16 +174,24 @@ class Watchdog:
         self._die(rank)
 
     def _die(self, rank: int) -> None:
+        try:
+            reported = self.store.check([self._key("reported", rank)])
+        except Exception:
+            reported = False
+        if reported:  # that rank printed its error: the job has said what went wrong, once
+            self._report(None)
         self._report(f"rank {rank} failed or stopped responding (no heartbeat within {self.timeout_s:g} s)")
 
-    def _report(self, cause: str) -> None:
+    def _report(self, cause: Optional[str]) -> None:
+        """Print `cause` (None: nothing) and end this process with status 1."""
         if self._stop.is_set():
             return
         if not self._reporting.acquire(blocking=False):
             while True:  # the other thread (watch or main) is already reporting and ends the process
                 time.sleep(1.0)
         sys.stdout.flush()
-        print(f"error: {cause}; stopping rank {self.rank}", file=sys.stderr, flush=True)
+        if cause is not None:
+            print(f"error: {cause}; stopping rank {self.rank}", file=sys.stderr, flush=True)
         if self.rank == 0:
             # A plain launch's store lives in rank 0: stay up long enough for every rank to read the verdict.
             time.sleep(2 * self.interval_s + 0.5)

@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 def launch_ranks(world_size: int, argv: Sequence[str], log_dir: str, env: Optional[dict] = None,
-                 script: str = "pretrain_gpt.py") -> list[subprocess.Popen]:
+                 script: str = "pretrain_gpt.py", cwds: Optional[Sequence[str]] = None) -> list[subprocess.Popen]:
+    """Start the ranks (in `cwds[rank]`, default the repository root)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -30,7 +31,7 @@ def launch_ranks(world_size: int, argv: Sequence[str], log_dir: str, env: Option
         out = open(os.path.join(log_dir, f"rank{rank}.out"), "w")
         err = open(os.path.join(log_dir, f"rank{rank}.err"), "w")
         procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], stdout=out, stderr=err,
-                                      env=rank_env, cwd=ROOT))
+                                      env=rank_env, cwd=cwds[rank] if cwds else ROOT))
         out.close()
         err.close()
     return procs

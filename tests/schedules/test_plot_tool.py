@@ -87,3 +87,55 @@ def test_the_training_flags_of_a_run_can_be_pasted(tmp_path):
     clash = ["--schedule", "gis", "--pp", "4", "--microbatches", "8", "--chunks", "2", "--interleave-group-size", "2",
              "--option", "interleave_group_size=3", "--json", str(js)]
     assert plot_schedule.main(clash) == 2
+
+
+def _trace_of(schedule, path, scale=1e-3, shift=0):
+    """A trace as `--trace-file` writes it, of `schedule`'s simulated timeline (cost units as ms)."""
+    from megatron_pp.training.trainer import write_trace
+
+    timeline = simulate(schedule).timeline
+    events = [[(str(a), s * scale, e * scale) for a, s, e in entries if a.is_compute] for entries in timeline]
+    if shift:
+        events[0] = [(f"F{99}.0", 0.0, 0.001)] + events[0]
+    write_trace(str(path), events)
+
+
+def test_a_run_trace_is_drawn_under_the_simulated_timeline(tmp_path):
+    schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
+    trace, png = tmp_path / "t.json", tmp_path / "s.png"
+    _trace_of(schedule, trace)
+    executed = plot_schedule.read_trace(str(trace), schedule)
+    assert [len(ranks) for ranks in executed] == [sum(a.is_compute for a in acts) for acts in schedule.actions]
+    argv = ["--pipeline-schedule", "interleaved-1f1b", "--pipeline-model-parallel-size", "2", "--microbatches", "4",
+            "--num-virtual-stages-per-pipeline-rank", "2", "--trace-file", str(trace), "--out", str(png)]
+    assert plot_schedule.main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_trace_of_another_run_is_refused_in_one_line(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    _trace_of(build_schedule("1f1b", 2, 4, 1), trace, shift=True)  # rank 0 ran F99: not in 1f1b's list
+    base = ["--pipeline-schedule", "1f1b", "--microbatches", "4", "--trace-file", str(trace),
+            "--out", str(tmp_path / "s.png")]
+    assert plot_schedule.main(base + ["--pp", "2"]) == 2
+    assert "rank 0 ran F99.0, which is not in its list" in capsys.readouterr().err
+    assert plot_schedule.main(base + ["--pp", "4"]) == 2
+    assert "has 2 ranks, the schedule 4" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    assert plot_schedule.main(base[:-4] + ["--pp", "2", "--trace-file", str(tmp_path / "bad.json"),
+                              "--out", str(tmp_path / "s.png")]) == 2
+    assert "not a trace written by --trace-file" in capsys.readouterr().err
+
+
+def test_layers_per_virtual_stage_and_batch_sizes_give_v_and_m_as_training_does(tmp_path, capsys):
+    js = tmp_path / "s.json"
+    argv = ["--pipeline-schedule", "interleaved-1f1b", "--pipeline-model-parallel-size", "2", "--num-layers", "8",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "16", "--micro-batch-size", "2",
+            "--data-parallel-size", "2", "--json", str(js)]
+    assert plot_schedule.main(argv) == 0
+    record = json.loads(js.read_text())
+    assert (record["num_chunks"], record["num_microbatches"]) == (2, 4)
+    assert plot_schedule.main(argv[:-2] + ["--microbatches", "5", "--json", str(js)]) == 2
+    assert "--microbatches 5 disagrees" in capsys.readouterr().err
+    assert plot_schedule.main([a if a != "8" else "6" for a in argv]) == 2
+    assert "--num-layers-per-virtual-pipeline-stage 2 does not divide 6 layer slots" in capsys.readouterr().err

@@ -55,3 +55,51 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "bad.jsonl:2: not JSON" in proc.stderr
     assert compare_runs.main([good, str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_tensorboard_directories_ours_and_megatron_lms_compare_with_a_metrics_file(tmp_path, capsys):
+    """A TensorBoard directory is a run too: ours (written by MetricsLogger) and one with Megatron-LM's
+    scalar names (written with torch's SummaryWriter as Megatron-LM's training loop does)."""
+    import io
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_pp.training.metrics import MetricsLogger
+
+    losses = [6.0, 5.0, 4.0, 3.5]
+    reference = _write(tmp_path / "ref.jsonl", losses, step=0.125)
+    ours = tmp_path / "ours"
+    logger = MetricsLogger(train_iters=4, log_interval=100, log_throughput=False, tensorboard_dir=str(ours),
+                           stream=io.StringIO())
+    for line in open(reference):
+        row = json.loads(line)
+        logger.train({**row, "consumed_samples": 8 * row["iteration"], "lr": 1e-3, "grad_norm": 1.0,
+                      "global_batch_size": 8, "loss_scale": 1.0, "skipped": False})
+    logger.evaluation({"iteration": 4, "consumed_samples": 32, "eval_loss": 3.6, "eval_ppl": 36.6})
+    logger.close()
+    megatron = tmp_path / "megatron"
+    writer = SummaryWriter(str(megatron))
+    for it, loss in enumerate(losses, 1):
+        for name, value in (("lm loss", loss), ("iteration-time", 0.125), ("learning-rate", 1e-3),
+                            ("grad-norm", 1.0), ("batch-size", 8), ("throughput", 10.0)):
+            writer.add_scalar(name, value, it)
+        writer.add_scalar("lm loss vs samples", loss, 8 * it)  # another step axis: must not become rows
+    writer.add_scalar("lm loss validation", 3.6, 4)
+    writer.close()
+
+    js = tmp_path / "cmp.json"
+    assert compare_runs.main([reference, str(ours), str(megatron), "--assert-equal-loss", "--rtol", "0",
+                              "--max-slowdown", "0", "--json", str(js)]) == 0, capsys.readouterr().err
+    table = json.loads(js.read_text())
+    assert [r["iterations"] for r in table] == [4, 4, 4] and [r["common_iterations"] for r in table] == [4, 4, 4]
+    assert table[1]["peak_stash_mb"] == [3.0, 1.0] and table[2]["peak_stash_mb"] == []
+    assert table[1]["tokens_per_s_median"] == pytest.approx(8000.0) and table[2]["step_time_ratio"] == 1.0
+    shifted = tmp_path / "shifted"
+    writer = SummaryWriter(str(shifted))
+    for it, loss in enumerate(losses, 1):
+        writer.add_scalar("lm loss", loss + (0.01 if it == 3 else 0), it)
+    writer.close()
+    assert compare_runs.main([reference, str(shifted), "--assert-equal-loss"]) == 1
+    assert "at iteration 3" in capsys.readouterr().err
+    assert compare_runs.main([reference, str(tmp_path)]) == 2  # neither metrics.jsonl nor events
+    assert "no TensorBoard events" in capsys.readouterr().err

@@ -94,6 +94,7 @@ def test_tensorboard_scalars(tmp_path):
     # Megatron-LM's names where it has the scalar, so its dashboards read our runs.
     assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 3.0), (2, 2.5)]
     assert [(e.step, e.value) for e in events.Scalars("lm loss validation")] == [(2, 2.75)]
+    assert [(e.step, e.value) for e in events.Scalars("lm loss vs samples")] == [(4, 3.0), (8, 2.5)]
     assert {"learning-rate", "grad-norm", "iteration-time"} <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("peak_stash_bytes/pp1")] == [2.0**21, 2.0**21]
     assert "peak_memory_bytes" not in " ".join(events.Tags()["scalars"])  # None: nothing written
@@ -182,3 +183,20 @@ def test_metrics_file_starts_anew_unless_resumed(tmp_path):
     with open_metrics_file(str(path), resumed_at=None):  # a fresh run
         pass
     assert path.read_text() == ""
+
+
+def test_wandb_scalars_take_megatron_lms_names_beside_ours():
+    """wandb gets the names TensorBoard gets: Megatron-LM's where it has the scalar, ours beside them."""
+    from megatron_pp.training.metrics import WandbSink
+
+    logged = []
+    sink = WandbSink.__new__(WandbSink)  # without wandb.init: only what write() sends matters here
+    sink.run = type("Run", (), {"log": lambda self, values, step: logged.append((step, values))})()
+    sink.rows = io.StringIO()
+    sink.write({**_row(3, 2.5), "mfu": 0.4, "comm_wait_s": 0.01, "tflops_per_gpu": 12.0})
+    step, values = logged[0]
+    assert step == 3 and values["lm loss"] == 2.5 and values["throughput"] == 12.0
+    assert {"learning-rate", "grad-norm", "iteration-time", "batch-size", "loss-scale"} <= set(values)
+    assert {"mfu", "comm_wait_s", "peak_stash_bytes/pp0", "peak_stash_bytes/pp1"} <= set(values)
+    assert "loss" not in values and "lr" not in values
+    assert json.loads(sink.rows.getvalue())["loss"] == 2.5  # the run's files keep the row's own keys
