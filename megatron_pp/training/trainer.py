@@ -23,8 +23,8 @@ import torch
 from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.schedules.execute import StepResult
-from megatron_pp.training import clock
-from megatron_pp.training.clock import ClockSync, JobClock
+from megatron_pp.core import clock
+from megatron_pp.core.clock import ClockSync, JobClock
 from megatron_pp.training.checkpointing import (
     CheckpointError,
     TrainingState,
@@ -75,7 +75,7 @@ class Trainer:
     last_saved: Optional[int] = None
     traces: list[list[tuple[str, float, float]]] = field(default_factory=list)
     """Per step, the executed actions as (label, start, end) on this rank's `time.perf_counter()`."""
-    clock_start: Optional[ClockSync] = None  # the trace's first clock sync (see training/clock.py)
+    clock_start: Optional[ClockSync] = None  # the trace's first clock sync (see core/clock.py)
     faults: FaultPlan = field(default_factory=lambda: FaultPlan([], 0, 1))
     on_iteration: Optional[Callable[[dict], None]] = None
     """Called on every rank with each training row (tools/soak.py samples memory through it)."""

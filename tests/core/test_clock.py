@@ -1,4 +1,4 @@
-"""One clock for the trace (megatron_pp/training/clock.py): a rank whose clock is 1234.5 s ahead of rank 0's
+"""One clock for the trace (megatron_pp/core/clock.py): a rank whose clock is 1234.5 s ahead of rank 0's
 is measured to within the bound the measurement states, drift between two syncs is interpolated away,
 and in a real 2-rank trace whose rank 1 runs on a shifted clock the pipeline's causality holds on the
 trace's one clock (rank 1 starts microbatch 0 only after rank 0 finished it)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-from megatron_pp.training import clock as clock_module
-from megatron_pp.training.clock import JobClock, measure
+from megatron_pp.core import clock as clock_module
+from megatron_pp.core.clock import JobClock, measure
 from tests.dist import run_distributed
 
 SHIFT = 1234.5
