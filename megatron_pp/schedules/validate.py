@@ -13,7 +13,7 @@ which together with the previous checks proves every cross-rank data dependency 
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from megatron_pp.schedules.comm import (Message, RendezvousReplay, expected_peer, forward_neighbours,
                                         link_of, message_of)
@@ -118,6 +118,9 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     backward_at: dict[tuple[int, int], int] = {}  # B, or BI when split
     weight_grad_at: dict[tuple[int, int], int] = {}  # BW
     live: dict[tuple[int, int], int | None] = {}  # stashes between F and B/BW -> their weight version
+    # Chunk -> weight version -> live stashes of it (versioned stashes only; kept so that the check of a
+    # forward does not scan every live stash).
+    live_versions: dict[int, Counter] = defaultdict(Counter)
     received: dict[tuple[Op, int, int], int] = {}
     sent: dict[tuple[Op, int, int], int] = {}
     reduced_at: dict[int, list[int]] = {}  # chunk -> indices of its REDUCE_GRADs, one per microbatch group
@@ -142,12 +145,14 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 raise _error(rank, i, a, f"second forward of this microbatch and chunk "
                                          f"(first at action {forward_at[key]})")
             _check_input(schedule, rank, i, a, Op.RECV_F, received, forward_at)
-            versions = {ver for (_, c), ver in live.items() if c == a.chunk} | {a.version}
-            if len(versions - {None}) > 2:
-                raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted(versions - {None})} "
+            held = live_versions[a.chunk]
+            if a.version is not None and a.version not in held and len(held) == 2:
+                raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted({*held, a.version})} "
                                          "at once; at most 2 may be live")
             forward_at[key] = i
             live[key] = a.version
+            if a.version is not None:
+                held[a.version] += 1
         elif a.op in (Op.B, Op.BI):
             if key in backward_at:
                 raise _error(rank, i, a, f"second backward of this microbatch and chunk "
@@ -161,7 +166,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             _check_not_reduced(rank, i, a, reduced_at, group)
             backward_at[key] = i
             if a.op is Op.B:
-                del live[key]
+                _release(live, live_versions, key)
         elif a.op is Op.BW:
             if key in weight_grad_at:
                 raise _error(rank, i, a, f"second weight-gradient of this microbatch and chunk "
@@ -172,7 +177,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
             _check_not_reduced(rank, i, a, reduced_at, group)
             weight_grad_at[key] = i
-            del live[key]
+            _release(live, live_versions, key)
         elif a.op in SEND_OPS:
             producers = forward_at if a.op is Op.SEND_F else backward_at
             if key not in producers:
@@ -218,6 +223,16 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 if peer is not None and (op, mb, chunk) not in sent:
                     raise _error(rank, producer, acts[producer],
                                  f"its result is never sent to rank {peer} (no {Action(op, mb, chunk, peer)})")
+
+
+def _release(live: dict[tuple[int, int], int | None], live_versions: dict[int, Counter],
+             key: tuple[int, int]) -> None:
+    version = live.pop(key)
+    if version is not None:
+        held = live_versions[key[1]]
+        held[version] -= 1
+        if not held[version]:
+            del held[version]
 
 
 def _check_input(schedule: Schedule, rank: int, index: int, action: Action, recv_op: Op,
