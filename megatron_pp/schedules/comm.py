@@ -64,13 +64,16 @@ def link_slots(actions: list[list[Action]]) -> list[list[Slot | None]]:
     a link are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
     slots: list[list[Slot | None]] = []
     for rank, acts in enumerate(actions):
-        seen: dict[tuple[Link, bool], int] = defaultdict(int)
+        seen: dict[tuple[Link, bool], int] = {}
         row: list[Slot | None] = []
         for a in acts:
-            if a.op in COMM_OPS:
-                key = (link_of(rank, a), a.op in SEND_OPS)
-                row.append((*key, seen[key]))
-                seen[key] += 1
+            op = a.op
+            if op in COMM_OPS:
+                is_send = op in SEND_OPS
+                key = ((rank, a.peer) if is_send else (a.peer, rank), is_send)
+                k = seen.get(key, 0)
+                seen[key] = k + 1
+                row.append((key[0], is_send, k))
             else:
                 row.append(None)
         slots.append(row)
