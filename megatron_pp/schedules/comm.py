@@ -219,8 +219,10 @@ class RendezvousReplay:
         delays nothing there. A ring that closes on itself needs that (looped-bfs: rank 0 then posts the
         receives from rank p−1 beside its own sends instead of rank 1 batching two receives and waiting
         for both). It is a schedule option (`HOIST_TO_SEND_ONLY_BATCHES`) so that other lists stay as they
-        were; it never lengthened a simulated makespan of the built-in schedules (p ≤ 8, m ≤ 16, v ≤ 4)
-        and shortens some (GIS p=4, m=8, v=4: 113 -> 104).
+        were. It matters where a batch completes as a unit (NCCL's coalesced batches): there it never
+        lengthened a makespan of the built-in schedules (p ≤ 8, m ≤ 16, v ≤ 4) and shortens some (GIS
+        p=4, m=8, v=4: 113 -> 104, simulated with batch-wide completion). Where each receive completes
+        on its own (gloo, and the simulator) the two placements time the same.
         """
         candidates = self._blocked_sends()
         first = next(candidates, None)

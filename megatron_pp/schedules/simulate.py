@@ -1,10 +1,13 @@
 """The simulator: replays every rank's list with per-action durations and reports time and stash memory.
 
 Each rank runs its list in order on one compute stream. Sends are asynchronous: a send costs no compute
-time and its data reaches the peer `p2p_latency` later. Receives are posted with their batch and the
-rank moves on; the compute that consumes a received tensor waits until every receive of that batch has
-arrived, as the executor does (it waits on a receive only when the consumer needs it, and on NCCL the
-members of a batch share one completion). Durations come from a `CostModel`: F=1, B=2, BI=1, BW=1 per
+time and its data reaches the peer `p2p_latency` after it is posted, whenever the peer posts the receive.
+Receives cost no compute time either; the compute that consumes a received tensor waits for that
+receive's data and nothing else. That is what the executor does where each point-to-point operation is
+its own work (gloo: sends are completed in the background, the next receive on each link is posted ahead
+so its data can flow during compute, and a receive is waited for by its consumer only; see
+`schedules.execute`). On NCCL a batch is one coalesced work, so a consumer there also waits for the other
+members of its batch; the simulator does not model that (docs/schedules.md, "Cost model"). Durations come from a `CostModel`: F=1, B=2, BI=1, BW=1 per
 chunk by default, optionally scaled per global stage or taken from a measured per-(op, stage) table or
 function. The result holds each rank's timeline, the makespan, busy time and bubble fraction, and the
 stash curve: the number of device-resident (microbatch, chunk) stashes over time, +1 when an F starts and
@@ -241,23 +244,20 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                     if is_send:
                         arrival[link, k] = state.clock + latency
                         wakeups.wake(link[1])
-            # The replay needs the arrival times to go on; the simulated rank itself does not wait here.
-            start = done = state.posted_at
-            for link, is_send, k in slots[i:end]:
-                if not is_send:
-                    at = arrival.get((link, k))
-                    if at is None:
-                        break
-                    done = max(done, at)
-            else:
-                for action, (link, is_send, k) in zip(acts[i:end], slots[i:end]):
-                    state.timeline.append((action, start, start if is_send else max(start, arrival[link, k])))
-                    if not is_send:
-                        consumer = Op.F if action.op is Op.RECV_F else Op.B
-                        state.inputs_at[consumer, action.microbatch, action.chunk] = done
-                state.posted_at, i = None, end
-                continue
-            break
+            # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
+            # each consumer waits for its own receive only (`_run_local`).
+            start = state.posted_at
+            if any(not is_send and (link, k) not in arrival for link, is_send, k in slots[i:end]):
+                break
+            for action, (link, is_send, k) in zip(acts[i:end], slots[i:end]):
+                if is_send:
+                    state.timeline.append((action, start, start))
+                else:
+                    done = max(start, arrival[link, k])
+                    state.timeline.append((action, start, done))
+                    consumer = Op.F if action.op is Op.RECV_F else Op.B
+                    state.inputs_at[consumer, action.microbatch, action.chunk] = done
+            state.posted_at, i = None, end
         pos[rank] = i
 
     stuck = [f"rank {r}, action {pos[r]} ({acts[pos[r]]})" for r, acts in enumerate(schedule.actions)
