@@ -130,8 +130,8 @@ class RendezvousReplay:
     that completed before it. The lists must already agree on every link (see `validate`).
 
     Only a posting on one of its links can unblock a rank, so a posting wakes the rank at the link's
-    other end (`Wakeups`) and nothing else is looked at again; `work` counts rank visits plus batch
-    members checked, which stays proportional to the communication actions."""
+    other end (`Wakeups`) and nothing else is looked at again. `work` counts rank visits, batch members
+    checked and ranks looked at between hoists; it stays proportional to the communication actions."""
 
     def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False):
         self.actions = actions
@@ -156,6 +156,7 @@ class RendezvousReplay:
         while (rank := self.wakeups.next()) is not None:
             self._advance(rank)
         self.wakeups.restart()
+        self.work += len(self.actions)
         return all(self.pos[rank] == len(acts) for rank, acts in enumerate(self.actions))
 
     def blocked(self) -> list[Blocked]:
@@ -201,6 +202,7 @@ class RendezvousReplay:
         hoisting pass mostly needs only the first."""
         for rank, acts in enumerate(self.actions):
             end = self.batch_end[rank]
+            self.work += 1
             if end is None:
                 continue
             for j in range(self.pos[rank], end):

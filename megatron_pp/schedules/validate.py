@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from megatron_pp.schedules.comm import (Message, RendezvousReplay, expected_peer, forward_neighbours,
-                                        link_of, message_of)
+from megatron_pp.schedules.comm import Message, RendezvousReplay, expected_peer, forward_neighbours, message_of
 from megatron_pp.schedules.ir import (COMM_OPS, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule,
                                       ScheduleError)
 
@@ -133,12 +132,25 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
 
     for i, a in enumerate(acts):
         key = (a.microbatch, a.chunk)
-        if a.op in (Op.B, Op.BI, Op.BW) and key in parked:
+        if parked and a.op in (Op.B, Op.BI, Op.BW) and key in parked:
             away, at = parked[key]
             back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
             raise _error(rank, i, a, f"its stash is off the device since {away} (action {at}); {back} must come "
                                      "before the backward")
-        if a.op in TRANSFER_OPS:
+        if a.op in SEND_OPS:
+            producers = forward_at if a.op is Op.SEND_F else backward_at
+            if key not in producers:
+                what = "F" if a.op is Op.SEND_F else "B (or BI)"
+                raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
+                                         "which has not run yet")
+            if (a.op, a.microbatch, a.chunk) in sent:
+                raise _error(rank, i, a, f"already sent at action {sent[a.op, a.microbatch, a.chunk]}")
+            sent[a.op, a.microbatch, a.chunk] = i
+        elif a.op in COMM_OPS:
+            if (a.op, a.microbatch, a.chunk) in received:
+                raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
+            received[a.op, a.microbatch, a.chunk] = i
+        elif a.op in TRANSFER_OPS:
             _check_stash_transfer(rank, i, a, forward_at, backward_at, parked, returned)
         elif a.op is Op.F:
             if key in forward_at:
@@ -178,19 +190,6 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             _check_not_reduced(rank, i, a, reduced_at, group)
             weight_grad_at[key] = i
             _release(live, live_versions, key)
-        elif a.op in SEND_OPS:
-            producers = forward_at if a.op is Op.SEND_F else backward_at
-            if key not in producers:
-                what = "F" if a.op is Op.SEND_F else "B (or BI)"
-                raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
-                                         "which has not run yet")
-            if (a.op, a.microbatch, a.chunk) in sent:
-                raise _error(rank, i, a, f"already sent at action {sent[a.op, a.microbatch, a.chunk]}")
-            sent[a.op, a.microbatch, a.chunk] = i
-        elif a.op in COMM_OPS:
-            if (a.op, a.microbatch, a.chunk) in received:
-                raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
-            received[a.op, a.microbatch, a.chunk] = i
         elif a.op is Op.REDUCE_GRAD:
             done = reduced_at.setdefault(a.chunk, [])
             if len(done) == num_groups:
@@ -267,8 +266,10 @@ def _check_links(schedule: Schedule) -> None:
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.op in COMM_OPS:
-                side = sends if a.op in SEND_OPS else recvs
-                side[link_of(rank, a)].append((rank, i, a, message_of(schedule, rank, a)))
+                if a.op in SEND_OPS:
+                    sends[rank, a.peer].append((rank, i, a, message_of(schedule, rank, a)))
+                else:
+                    recvs[a.peer, rank].append((rank, i, a, message_of(schedule, rank, a)))
     for link in sorted(set(sends) | set(recvs)):
         out, into = sends.get(link, []), recvs.get(link, [])
         for k, (sender, receiver) in enumerate(zip(out, into)):
