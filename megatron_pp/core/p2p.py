@@ -137,7 +137,8 @@ def needs_batches(group: Optional[dist.ProcessGroup]) -> bool:
     gloo and without a process group (nothing to post)."""
     if not dist.is_initialized():
         return False
-    return dist.get_backend(group) == dist.Backend.NCCL
+    # A mixed backend ("cpu:gloo,cuda:nccl") routes CUDA tensors to NCCL: batch there too.
+    return "nccl" in str(dist.get_backend(group)).lower()
 
 
 def warm_up(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
