@@ -7,8 +7,8 @@ Each size is timed in three phases on the same lists: `build` (generator, commun
 validation `build_schedule` runs), `validate` (a second, standalone `validate`, to show the validator's
 share of `build`) and `simulate` (default cost model); `total` is build + simulate, wall-clock and CPU
 seconds of this process (the CPU figure is steadier on a shared machine). `--profile N` prints the N most expensive functions of the last size (cProfile, cumulative).
-The ratio of each size's total to the previous one's, divided by the ratio of their action counts, is 1.0
-for linear work; it is reported as `growth_vs_linear`.
+The ratio of each size's total CPU seconds to the previous one's, divided by the ratio of their action
+counts, is 1.0 for linear work; it is reported as `growth_vs_linear`.
 """
 import argparse
 import cProfile
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             row = measure(args.schedule, args.pp, m, args.chunks)
         if rows:
             prev = rows[-1]
-            row["growth_vs_linear"] = (row["total_s"] / prev["total_s"]) / (row["actions"] / prev["actions"])
+            row["growth_vs_linear"] = (row["total_cpu_s"] / prev["total_cpu_s"]) / (row["actions"] / prev["actions"])
         rows.append(row)
         print(f"m={m:<6} actions={row['actions']:<8} build {row['build_s']:.2f} s  validate {row['validate_s']:.2f} s"
               f"  simulate {row['simulate_s']:.2f} s  total {row['total_s']:.2f} s (cpu {row['total_cpu_s']:.2f} s)"

@@ -21,8 +21,9 @@ Communication actions name the local compute action they serve, not the remote o
 receives the input of this rank's F3.1 from rank 0, whatever that rank's chunk index is.
 
 **Batching rule.** Consecutive communication actions (SEND_F, RECV_F, SEND_B, RECV_B) in a rank's list
-form one *batch*: the executor posts its members together (like `torch.distributed.batch_isend_irecv`)
-and the batch completes as a unit. This is how a send and a receive that can go together are paired,
+form one *batch*. On NCCL the executor posts its members together (`torch.distributed.batch_isend_irecv`)
+and the batch completes as a unit; the validator proves the lists deadlock-free under that, the strictest
+rule (on gloo each member is its own operation, see `core.p2p`). This is how a send and a receive that can go together are paired,
 e.g. 1F1B's steady state posts `SEND_F7.0>1 RECV_B4.0<1` as one batch; the blocking-semantics deadlock
 of rank r sending F while rank r+1 sends B cannot occur because each side's batch also holds the
 receive the other side's send needs. Messages on a directed link (rank a -> rank b) are matched in the
