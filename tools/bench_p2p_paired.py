@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     before = os.path.abspath(args.before_tree)
     if not os.path.isfile(os.path.join(before, "tools", "bench_schedules.py")):
         parser.error(f"--before-tree {args.before_tree}: no tools/bench_schedules.py there")
-    pairs = []
+    pairs, load_start = [], os.getloadavg()[0]
     for k in range(args.pairs):
         order = [("before", before), ("after", HERE)]
         if k % 2:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     report = {"pairs": pairs, "ratio_after_over_before": ratios,
               "ratio_median": {name: statistics.median(r) for name, r in ratios.items()},
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "before_tree")},
-              "load_average_start": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+              "load_average_start": load_start, "load_average_end": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
               "command": "python tools/bench_p2p_paired.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     for name, r in report["ratio_median"].items():
         print(f"{name}: after/before median {r:.3f} over {len(pairs)} pairs")
