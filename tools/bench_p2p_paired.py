@@ -19,6 +19,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+
+from megatron_pp.cli import write_json  # noqa: E402
 
 
 def one_run(tree: str, args: argparse.Namespace) -> dict:
@@ -72,9 +75,7 @@ def main(argv=None) -> int:
     for name, r in report["ratio_median"].items():
         print(f"{name}: after/before median {r:.3f} over {len(pairs)} pairs")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            f.write(json.dumps(report, indent=2) + "\n")
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, report)
     return 0
 
 

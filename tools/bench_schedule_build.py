@@ -12,7 +12,6 @@ counts, is 1.0 for linear work; it is reported as `growth_vs_linear`.
 """
 import argparse
 import cProfile
-import json
 import os
 import platform
 import pstats
@@ -21,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_pp.cli import write_json  # noqa: E402
 from megatron_pp.schedules.registry import build_schedule  # noqa: E402
 from megatron_pp.schedules.simulate import simulate  # noqa: E402
 from megatron_pp.schedules.validate import validate  # noqa: E402
@@ -76,9 +76,7 @@ def main(argv=None) -> int:
               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
               "command": "python tools/bench_schedule_build.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            f.write(json.dumps(report, indent=2) + "\n")
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, report)
     return 0
 
 
