@@ -1,15 +1,20 @@
 """Point-to-point transfers between pipeline ranks.
 
-The executor hands this module one *batch* of sends and receives at a time (the consecutive
-communication actions of a schedule) and gets back handles. A batch is posted with
-`torch.distributed.batch_isend_irecv`, so on NCCL its members run as one group and a send and a receive
-that cross on the same link cannot deadlock each other; on gloo the same calls are plain async
-send/recv. Activation shapes are fixed by (sequence length, micro-batch size, hidden size), so receive
-buffers are allocated from a shape known ahead and nothing is exchanged to learn shapes at run time.
+The executor hands this module the sends and receives of one *batch* at a time (the consecutive
+communication actions of a schedule) and gets back handles. Batching is kept only where the backend
+needs it. On NCCL a send blocks its pair's stream until the peer posts the matching receive, so two
+ranks that send to each other at the same point of their lists would deadlock; the batch is posted with
+`torch.distributed.batch_isend_irecv`, which groups it, and the validator guarantees both ends post the
+same messages in the same order and that the batches cannot deadlock. On gloo every send and receive is
+its own asynchronous operation with its own completion, so the members are posted one by one, and the
+executor may post a receive ahead of its batch (`post_receive`) as long as it keeps the order of the
+receives on each link. Activation shapes are fixed by (sequence length, micro-batch size, hidden size),
+so receive buffers are allocated from a shape known ahead and nothing is exchanged to learn shapes.
 
 Receives complete lazily: `Transfer.wait()` is called by the consumer right before it needs the data,
-so a receive posted early overlaps with compute. Sends are kept in flight until `PipelineComm.poll`
-sees them complete or `drain` waits for them, and only then may the sender free the sent storage.
+so a receive posted early overlaps with compute. Sends are never waited for by compute: they stay in
+flight until `PipelineComm.poll` sees them complete or `drain` waits for them at the end of the step, and
+only then may the sender free the sent storage.
 """
 from __future__ import annotations
 
@@ -54,6 +59,12 @@ class PipelineComm:
     global_ranks: list[int]  # pipeline rank -> global rank
     pending: deque = field(default_factory=deque)
     wait_s: float = 0.0  # time blocked in send completion during drain (receives report their own)
+    batched: Optional[bool] = None
+    """Whether a batch must be posted as one group (NCCL); None: decided from the group's backend."""
+
+    def __post_init__(self) -> None:
+        if self.batched is None:
+            self.batched = needs_batches(self.group)
 
     def post(
         self,
@@ -61,12 +72,25 @@ class PipelineComm:
         recvs: list[tuple[torch.Tensor, int]],
     ) -> list[Transfer]:
         """Post sends (tensor, peer pp rank, callback run once the send is done) and receives (buffer,
-        peer pp rank) as one batch. Returns one Transfer per receive, in order."""
-        works = post_batch([(t, self.global_ranks[peer]) for t, peer, _ in sends],
-                           [(buf, self.global_ranks[peer]) for buf, peer in recvs], self.group)
+        peer pp rank) of one batch: as one group where the backend needs it, else one by one. Returns one
+        Transfer per receive, in order."""
+        send_list = [(t, self.global_ranks[peer]) for t, peer, _ in sends]
+        recv_list = [(buf, self.global_ranks[peer]) for buf, peer in recvs]
+        if self.batched:
+            works = post_batch(send_list, recv_list, self.group)
+        else:
+            works = [dist.isend(t, peer, group=self.group) for t, peer in send_list]
+            works += [dist.irecv(buf, peer, group=self.group) for buf, peer in recv_list]
         for (tensor, _, callback), work in zip(sends, works[: len(sends)]):
             self.pending.append(PendingSend(work, tensor, callback))
         return [Transfer(buf, work) for (buf, _), work in zip(recvs, works[len(sends):])]
+
+    def post_receive(self, buffer: torch.Tensor, peer: int) -> Transfer:
+        """Post one receive from pipeline rank `peer` on its own, ahead of its batch. Only where batches
+        are not needed (`batched` is False): the caller keeps the order of receives on each link."""
+        if self.batched:
+            raise RuntimeError("post_receive: this backend needs every receive posted with its batch")
+        return Transfer(buffer, dist.irecv(buffer, self.global_ranks[peer], group=self.group))
 
     def poll(self) -> None:
         """Retire sends that have completed, oldest first, without blocking."""
@@ -106,6 +130,15 @@ def post_batch(
     if len(works) != len(ops):
         works = [works[-1]] * len(ops) if works else [None] * len(ops)
     return list(works)
+
+
+def needs_batches(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether point-to-point on `group` must be posted in groups to be deadlock-free (NCCL); False on
+    gloo and without a process group (nothing to post)."""
+    if not dist.is_initialized():
+        return False
+    # A mixed backend ("cpu:gloo,cuda:nccl") routes CUDA tensors to NCCL: batch there too.
+    return "nccl" in str(dist.get_backend(group)).lower()
 
 
 def warm_up(group: Optional[dist.ProcessGroup], device: torch.device) -> None:

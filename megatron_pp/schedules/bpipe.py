@@ -172,22 +172,17 @@ def transfer_waits(schedule: Schedule, costs: CostModel | None = None) -> dict[t
     for rank, entries in enumerate(timed.timeline):
         loaded_at: dict[tuple[int, int], float] = {}
         evicted_at = 0.0
-        received_at: dict[tuple[Op, int, int], float] = {}  # (F or B, mb, chunk) -> its receive batch is done
+        received_at: dict[tuple[Op, int, int], float] = {}  # (F or B, mb, chunk) -> its input is in
         ready = 0.0  # when the compute stream of this rank is free
         i = 0
         while i < len(entries):
             action, start, end = entries[i]
             if action.is_comm:
-                # A consumer waits for every receive of its batch (see simulate), so time the batch as one.
-                j = i
-                while j < len(entries) and entries[j][0].is_comm:
-                    j += 1
-                done = max(e for _, _, e in entries[i:j])
-                for member, _, _ in entries[i:j]:
-                    if member.op in (Op.RECV_F, Op.RECV_B):
-                        consumer = Op.F if member.op is Op.RECV_F else Op.B
-                        received_at[consumer, member.microbatch, member.chunk] = done
-                i = j
+                # A consumer waits for its own receive only (see simulate), which ends when its data is in.
+                if action.op in (Op.RECV_F, Op.RECV_B):
+                    consumer = Op.F if action.op is Op.RECV_F else Op.B
+                    received_at[consumer, action.microbatch, action.chunk] = end
+                i += 1
                 continue
             key = (action.microbatch, action.chunk)
             if action.op is Op.LOAD:

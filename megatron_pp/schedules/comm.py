@@ -14,6 +14,7 @@ the validator runs (`RendezvousReplay`).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -31,24 +32,23 @@ HOIST_TO_SEND_ONLY_BATCHES = "hoist_to_send_only_batches"
 def forward_neighbours(schedule: Schedule, rank: int, chunk: int) -> tuple[int | None, int | None]:
     """(rank holding the previous stage, rank holding the next stage) of (rank, chunk), each None when
     there is no such stage or it sits on the same rank (then tensors are handed over in memory)."""
-    stage = schedule.stage_of(rank, chunk)
-    prev_rank = schedule.location(stage - 1)[0] if stage > 0 else None
-    next_rank = schedule.location(stage + 1)[0] if stage + 1 < schedule.num_stages else None
-    return (None if prev_rank == rank else prev_rank), (None if next_rank == rank else next_rank)
+    return schedule.neighbour_ranks(rank, chunk)
 
 
 def expected_peer(schedule: Schedule, rank: int, action: Action) -> int | None:
     """The only rank a communication action of (rank, action.chunk) may talk to, or None if it needs none."""
-    prev_rank, next_rank = forward_neighbours(schedule, rank, action.chunk)
+    prev_rank, next_rank = schedule.neighbour_ranks(rank, action.chunk)
     # Activations flow to the next stage; gradients flow back, so RECV_B comes from the next stage too.
-    return {Op.SEND_F: next_rank, Op.RECV_B: next_rank, Op.RECV_F: prev_rank, Op.SEND_B: prev_rank}[action.op]
+    return next_rank if action.op is Op.SEND_F or action.op is Op.RECV_B else prev_rank
+
+
+_PRODUCER_OFFSET = {Op.SEND_F: ("F", 0), Op.SEND_B: ("B", 0), Op.RECV_F: ("F", -1), Op.RECV_B: ("B", 1)}
 
 
 def message_of(schedule: Schedule, rank: int, action: Action) -> Message:
     """The message a communication action sends or receives, named the same way on both ends."""
-    stage = schedule.stage_of(rank, action.chunk)
-    producer = {Op.SEND_F: stage, Op.SEND_B: stage, Op.RECV_F: stage - 1, Op.RECV_B: stage + 1}[action.op]
-    return ("F" if action.op in (Op.SEND_F, Op.RECV_F) else "B", action.microbatch, producer)
+    kind, offset = _PRODUCER_OFFSET[action.op]
+    return kind, action.microbatch, schedule.stage_of(rank, action.chunk) + offset
 
 
 def link_of(rank: int, action: Action) -> Link:
@@ -64,13 +64,16 @@ def link_slots(actions: list[list[Action]]) -> list[list[Slot | None]]:
     a link are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
     slots: list[list[Slot | None]] = []
     for rank, acts in enumerate(actions):
-        seen: dict[tuple[Link, bool], int] = defaultdict(int)
+        seen: dict[tuple[Link, bool], int] = {}
         row: list[Slot | None] = []
         for a in acts:
-            if a.op in COMM_OPS:
-                key = (link_of(rank, a), a.op in SEND_OPS)
-                row.append((*key, seen[key]))
-                seen[key] += 1
+            op = a.op
+            if op in COMM_OPS:
+                is_send = op in SEND_OPS
+                key = ((rank, a.peer) if is_send else (a.peer, rank), is_send)
+                k = seen.get(key, 0)
+                seen[key] = k + 1
+                row.append((key[0], is_send, k))
             else:
                 row.append(None)
         slots.append(row)
@@ -90,11 +93,45 @@ class Blocked:
         return f"rank {self.rank}, action {self.index}: blocked on {members}"
 
 
+class Wakeups:
+    """Which rank a replay advances next: only ranks a posting may have unblocked, in the order that
+    repeated passes over ranks 0..p-1 would reach them (a rank woken by a higher rank waits for the next
+    pass). Replays built on it do work proportional to the actions, not to passes x ranks, and still
+    visit ranks in exactly the order of the pass loop, so anything a replay records across ranks (the
+    simulator's stash events on a BPipe partner) comes out in the same order."""
+
+    def __init__(self, num_ranks: int):
+        self._heap = [(0, rank) for rank in range(num_ranks)]  # (pass, rank); sorted, hence a heap
+        self._queued = [True] * num_ranks
+        self._pass, self._rank = 0, -1
+
+    def wake(self, rank: int) -> None:
+        if not self._queued[rank]:
+            self._queued[rank] = True
+            heapq.heappush(self._heap, (self._pass if rank > self._rank else self._pass + 1, rank))
+
+    def next(self) -> int | None:
+        """The next rank to advance, or None when no rank can move."""
+        if not self._heap:
+            return None
+        self._pass, self._rank = heapq.heappop(self._heap)
+        self._queued[self._rank] = False
+        return self._rank
+
+    def restart(self) -> None:
+        """Begin a new round of passes (after the lists changed between two replays)."""
+        self._pass, self._rank = 0, -1
+
+
 class RendezvousReplay:
     """Replays every rank's list under blocking semantics: a posted send or receive is matched once the
     peer has posted its partner (the same position on the same directed link), and a rank leaves a batch
     only when all its members are matched. Compute never blocks here: its inputs arrived through receives
-    that completed before it. The lists must already agree on every link (see `validate`)."""
+    that completed before it. The lists must already agree on every link (see `validate`).
+
+    Only a posting on one of its links can unblock a rank, so a posting wakes the rank at the link's
+    other end (`Wakeups`) and nothing else is looked at again. `work` counts rank visits, batch members
+    checked and ranks looked at between hoists; it stays proportional to the communication actions."""
 
     def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False):
         self.actions = actions
@@ -103,6 +140,8 @@ class RendezvousReplay:
         self.pos = [0] * len(actions)
         self.batch_end: list[int | None] = [None] * len(actions)
         self.posted: dict[tuple[Link, bool], int] = defaultdict(int)
+        self.wakeups = Wakeups(len(actions))
+        self.work = 0
 
     def _matched(self, slot: Slot) -> bool:
         link, is_send, k = slot
@@ -110,31 +149,47 @@ class RendezvousReplay:
 
     def run(self) -> list[Blocked]:
         """Advance every rank as far as possible; return the blocked ranks (empty when all finished)."""
-        progress = True
-        while progress:
-            progress = False
-            for rank, acts in enumerate(self.actions):
-                slots = self.slots[rank]
-                while self.pos[rank] < len(acts):
-                    i = self.pos[rank]
-                    if slots[i] is None:
-                        self.pos[rank] = i + 1
-                        progress = True
-                        continue
-                    if self.batch_end[rank] is None:
-                        j = i
-                        while j < len(acts) and slots[j] is not None:
-                            link, is_send, _ = slots[j]
-                            self.posted[link, is_send] += 1
-                            j += 1
-                        self.batch_end[rank] = j
-                        progress = True
-                    end = self.batch_end[rank]
-                    if not all(self._matched(slots[j]) for j in range(i, end)):
-                        break
-                    self.pos[rank], self.batch_end[rank] = end, None
-                    progress = True
+        return [] if self.settle() else self.blocked()
+
+    def settle(self) -> bool:
+        """Advance every rank as far as possible; True when every rank reached the end of its list."""
+        while (rank := self.wakeups.next()) is not None:
+            self._advance(rank)
+        self.wakeups.restart()
+        self.work += len(self.actions)
+        return all(self.pos[rank] == len(acts) for rank, acts in enumerate(self.actions))
+
+    def blocked(self) -> list[Blocked]:
+        """The ranks that have not reached the end of their list, each with what it waits for."""
         return [self._blocked(rank) for rank, acts in enumerate(self.actions) if self.pos[rank] < len(acts)]
+
+    def _advance(self, rank: int) -> None:
+        acts, slots, posted, batch_end = self.actions[rank], self.slots[rank], self.posted, self.batch_end
+        i, n = self.pos[rank], len(acts)
+        work = 1
+        while i < n:
+            if slots[i] is None:
+                i += 1
+                continue
+            end = batch_end[rank]
+            if end is None:
+                end = i
+                while end < n and slots[end] is not None:
+                    link, is_send, _ = slots[end]
+                    posted[link, is_send] += 1
+                    self.wakeups.wake(link[1] if is_send else link[0])
+                    end += 1
+                batch_end[rank] = end
+            for j in range(i, end):
+                work += 1
+                link, is_send, k = slots[j]
+                if posted[link, not is_send] <= k:
+                    self.pos[rank] = i
+                    self.work += work
+                    return
+            i, batch_end[rank] = end, None
+        self.pos[rank] = i
+        self.work += work
 
     def _blocked(self, rank: int) -> Blocked:
         i, end = self.pos[rank], self.batch_end[rank]
@@ -142,7 +197,19 @@ class RendezvousReplay:
                         if not self._matched(self.slots[rank][j]))
         return Blocked(rank, i, waiting)
 
-    def hoist_receive(self, blocked: list[Blocked]) -> bool:
+    def _blocked_sends(self):
+        """(rank, index) of every send that waits for its receive, by rank then index; lazily, since the
+        hoisting pass mostly needs only the first."""
+        for rank, acts in enumerate(self.actions):
+            end = self.batch_end[rank]
+            self.work += 1
+            if end is None:
+                continue
+            for j in range(self.pos[rank], end):
+                if self.slots[rank][j][1] and not self._matched(self.slots[rank][j]):
+                    yield rank, j
+
+    def hoist_receive(self) -> bool:
         """Move the receive that one blocked send waits for into the batch where its rank is blocked.
 
         Legal because a receive may be posted any time before its consumer, and order-preserving on the
@@ -154,26 +221,31 @@ class RendezvousReplay:
         delays nothing there. A ring that closes on itself needs that (looped-bfs: rank 0 then posts the
         receives from rank p−1 beside its own sends instead of rank 1 batching two receives and waiting
         for both). It is a schedule option (`HOIST_TO_SEND_ONLY_BATCHES`) so that other lists stay as they
-        were; it never lengthened a simulated makespan of the built-in schedules (p ≤ 8, m ≤ 16, v ≤ 4)
-        and shortens some (GIS p=4, m=8, v=4: 113 -> 104).
+        were. It matters where a batch completes as a unit (NCCL's coalesced batches): there it never
+        lengthened a makespan of the built-in schedules (p ≤ 8, m ≤ 16, v ≤ 4) and shortens some (GIS
+        p=4, m=8, v=4: 113 -> 104, simulated with batch-wide completion). Where each receive completes
+        on its own (gloo, and the simulator) the two placements time the same.
         """
-        candidates = [(stuck.rank, index, action) for stuck in blocked for index, action in stuck.waiting
-                      if action.op in SEND_OPS]
-        if not candidates:
+        candidates = self._blocked_sends()
+        first = next(candidates, None)
+        if first is None:
             return False
-        rank, index, action = candidates[0]
+        rank, index = first
         if self.prefer_send_only_batches:
-            rank, index, action = next((c for c in candidates if not self._batch_receives(c[2].peer)), candidates[0])
-        peer = action.peer
+            rank, index = next((c for c in (first, *candidates)
+                                if not self._batch_receives(self.actions[c[0]][c[1]].peer)), first)
+        peer = self.actions[rank][index].peer
         link, _, k = self.slots[rank][index]
-        peer_slots = self.slots[peer]
-        j = peer_slots.index((link, False, k))
+        peer_acts, peer_slots = self.actions[peer], self.slots[peer]
         end = self.batch_end[peer]
-        moved, slot = self.actions[peer].pop(j), peer_slots.pop(j)
-        self.actions[peer].insert(end, moved)
-        peer_slots.insert(end, slot)
+        j = peer_slots.index((link, False, k), end)  # not posted yet, so after the peer's batch
+        # Rotate [end, j] by one in place: the work is the distance moved, not the list's length.
+        peer_acts[end:j + 1] = [peer_acts[j]] + peer_acts[end:j]
+        peer_slots[end:j + 1] = [peer_slots[j]] + peer_slots[end:j]
         self.batch_end[peer] = end + 1
         self.posted[link, False] += 1
+        self.wakeups.wake(rank)
+        self.wakeups.wake(peer)
         return True
 
     def _batch_receives(self, rank: int) -> bool:
@@ -201,22 +273,20 @@ def insert_communication(schedule: Schedule) -> Schedule:
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.op is Op.F:
-                prev_rank, next_rank = forward_neighbours(schedule, rank, a.chunk)
-                needed = ((Op.RECV_F, prev_rank), (Op.SEND_F, next_rank))
-            elif a.op in (Op.B, Op.BI):  # BI produces the input gradient; BW sends nothing
-                prev_rank, next_rank = forward_neighbours(schedule, rank, a.chunk)
-                needed = ((Op.RECV_B, next_rank), (Op.SEND_B, prev_rank))
+                kind, recv_op, send_op, towards = "F", Op.RECV_F, Op.SEND_F, 1
+            elif a.op is Op.B or a.op is Op.BI:  # BI produces the input gradient; BW sends nothing
+                kind, recv_op, send_op, towards = "B", Op.RECV_B, Op.SEND_B, -1
             else:
                 continue
-            for op, peer in needed:
-                if peer is None:
-                    continue
-                comm = Action(op, a.microbatch, a.chunk, peer)
-                if op in SEND_OPS:
-                    sends_after[rank][i].append(comm)
-                    sent[rank, peer].append((message_of(schedule, rank, comm), i))
-                else:
-                    wanted[peer, rank][message_of(schedule, rank, comm)] = (i, comm)
+            prev_rank, next_rank = schedule.neighbour_ranks(rank, a.chunk)
+            source, target = (prev_rank, next_rank) if towards == 1 else (next_rank, prev_rank)
+            stage = schedule.stage_of(rank, a.chunk)
+            if source is not None:  # message named as in `message_of`: the stage that produced it
+                wanted[source, rank][kind, a.microbatch, stage - towards] = (i, Action(recv_op, a.microbatch,
+                                                                                        a.chunk, source))
+            if target is not None:
+                sends_after[rank][i].append(Action(send_op, a.microbatch, a.chunk, target))
+                sent[rank, target].append(((kind, a.microbatch, stage), i))
 
     recvs_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
     for link in sorted(set(sent) | set(wanted)):
@@ -258,8 +328,8 @@ def insert_communication(schedule: Schedule) -> Schedule:
         lists.append(out + sends)
 
     replay = RendezvousReplay(lists, bool(schedule.options.get(HOIST_TO_SEND_ONLY_BATCHES)))
-    while blocked := replay.run():
-        if not replay.hoist_receive(blocked):
+    while not replay.settle():
+        if not replay.hoist_receive():
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
-                                + "; ".join(b.describe() for b in blocked))
+                                + "; ".join(b.describe() for b in replay.blocked()))
     return dataclasses.replace(schedule, actions=lists)

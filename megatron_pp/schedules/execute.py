@@ -2,7 +2,11 @@
 
 It is the only place where schedules touch tensors, and it knows nothing about any particular schedule:
 it walks the validated list in order and dispatches each action to a handler. Consecutive communication
-actions form one batch, posted together (see `megatron_pp.core.p2p`). Later schedules add operations by
+actions form one batch, posted together where the backend needs it (NCCL; see `megatron_pp.core.p2p`).
+Point-to-point is asynchronous: a send never blocks the compute after it (it completes in the background
+and its activation is freed once it has), a received tensor is waited for only by the action that
+consumes it, and where batches are not needed (gloo) the next receive of each incoming link is posted
+ahead, so its data arrives while the rank computes. Later schedules add operations by
 adding handlers (`PipelineExecutor.handlers`), never by changing the loop.
 
 Per (microbatch, local chunk) the executor keeps the chunk's input (a leaf requiring grad, so its
@@ -218,13 +222,14 @@ class PipelineExecutor:
         actions, i = (self.actions if segment is None else segment), 0
         if forward_only:
             actions = [a for a in actions if a.op in FORWARD_OPS]
+        self._plan_receives(actions)
         while i < len(actions):
             start = time.perf_counter() - t0 if self.trace else 0.0
             first = i
             if actions[i].op in COMM_OPS:
                 while i < len(actions) and actions[i].op in COMM_OPS:
                     i += 1
-                self._post_batch(actions[first:i])
+                self._post_batch(actions, first, i)
             elif forward_only:
                 self._forward(actions[i])
                 i += 1
@@ -375,9 +380,39 @@ class PipelineExecutor:
             self.reduce_grad_hook(action.chunk)
 
     # Communication ----------------------------------------------------------------------------------------
-    def _post_batch(self, batch: Sequence[Action]) -> None:
+    def _plan_receives(self, actions: Sequence[Action]) -> None:
+        """Where batches are not needed (gloo), keep the next receive of every incoming link posted ahead:
+        its data then flows while this rank computes, instead of after its consumer is reached. Receives
+        on a link match in posting order, so the next one is posted only after the one before it (at the
+        start for the first, right after its predecessor is posted for the others); it holds one
+        activation-sized buffer per incoming link early. On NCCL every receive is posted with its batch,
+        in the validated order."""
+        self._next_receive: dict[int, int] = {}  # index of a receive -> the next receive from its peer
+        self._posted_ahead: set[int] = set()
+        if self.comm is None or self.comm.batched:
+            return
+        last: dict[int, int] = {}
+        for index, a in enumerate(actions):
+            if a.op is Op.RECV_F or a.op is Op.RECV_B:
+                if a.peer in last:
+                    self._next_receive[last[a.peer]] = index
+                else:
+                    self._post_ahead(actions, index)
+                last[a.peer] = index
+
+    def _post_ahead(self, actions: Sequence[Action], index: int) -> None:
+        a = actions[index]
+        buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        self._receive_table(a)[(a.microbatch, a.chunk)] = self.comm.post_receive(buf, a.peer)
+        self._posted_ahead.add(index)
+
+    def _receive_table(self, action: Action) -> dict:
+        return self._inputs if action.op is Op.RECV_F else self._grad_outputs
+
+    def _post_batch(self, actions: Sequence[Action], first: int, end: int) -> None:
         sends, recvs, slots = [], [], []
-        for a in batch:
+        for index in range(first, end):
+            a = actions[index]
             key = (a.microbatch, a.chunk)
             if a.op is Op.SEND_F and self._forward_only:
                 sends.append((self._outputs.pop(key), a.peer, None))
@@ -387,11 +422,15 @@ class PipelineExecutor:
                 sends.append((out.detach(), a.peer, lambda out=out: release_storage(out)))
             elif a.op is Op.SEND_B:
                 sends.append((self._input_grads.pop(key), a.peer, None))
-            else:
+            elif index not in self._posted_ahead:
                 buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                 recvs.append((buf, a.peer))
-                slots.append((self._inputs if a.op is Op.RECV_F else self._grad_outputs, key))
+                slots.append((self._receive_table(a), key))
         if self.comm is None:
             raise RuntimeError(f"rank {self.rank}: schedule communicates but no pipeline group was given")
         for (table, key), transfer in zip(slots, self.comm.post(sends, recvs)):
             table[key] = transfer
+        for index in range(first, end):
+            ahead = self._next_receive.get(index)
+            if ahead is not None and ahead not in self._posted_ahead and ahead >= end:
+                self._post_ahead(actions, ahead)

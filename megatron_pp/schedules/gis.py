@@ -67,7 +67,7 @@ slower and shorter in 48 of 261 cases (p = 8, v = 5, m = 64 at F = BI = BW = 1: 
 interleaved 1F1B is 0.021 there, so GIS's rendezvous batches still cost more than the paper's
 asynchronous sends).
 
-Simulated with F = BI = BW = 1, GIS takes 56 time units and the uniform order and interleaved 1F1B 57; rank 0 holds 8 = p·v chunk stashes under
+Simulated with F = BI = BW = 1, GIS takes 54 time units and the uniform order and interleaved 1F1B 57; rank 0 holds 8 = p·v chunk stashes under
 GIS, 7 under the uniform order and 11 under interleaved 1F1B.
 """
 from __future__ import annotations

@@ -21,8 +21,9 @@ Communication actions name the local compute action they serve, not the remote o
 receives the input of this rank's F3.1 from rank 0, whatever that rank's chunk index is.
 
 **Batching rule.** Consecutive communication actions (SEND_F, RECV_F, SEND_B, RECV_B) in a rank's list
-form one *batch*: the executor posts its members together (like `torch.distributed.batch_isend_irecv`)
-and the batch completes as a unit. This is how a send and a receive that can go together are paired,
+form one *batch*. On NCCL the executor posts its members together (`torch.distributed.batch_isend_irecv`)
+and the batch completes as a unit; the validator proves the lists deadlock-free under that, the strictest
+rule (on gloo each member is its own operation, see `core.p2p`). This is how a send and a receive that can go together are paired,
 e.g. 1F1B's steady state posts `SEND_F7.0>1 RECV_B4.0<1` as one batch; the blocking-semantics deadlock
 of rank r sending F while rank r+1 sends B cannot occur because each side's batch also holds the
 receive the other side's send needs. Messages on a directed link (rank a -> rank b) are matched in the
@@ -88,6 +89,11 @@ _ACTION_RE = re.compile(
 )
 
 
+_WANTED_FIELDS = {op: (op not in _WITHOUT_MICROBATCH, op is not Op.STEP, op in _WITH_PEER_OUT or op in _WITH_PEER_IN)
+                  for op in Op}
+"""Op -> whether it carries (microbatch, chunk, peer)."""
+
+
 def _check_index(name: str, value: object) -> None:
     # bool is an int subclass; True as a microbatch index is always a bug upstream.
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -105,18 +111,20 @@ class Action:
     version: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "op", Op(self.op))
         op = self.op
-        wants_mb = op not in _WITHOUT_MICROBATCH
-        wants_chunk = op is not Op.STEP
-        wants_peer = op in _WITH_PEER_OUT or op in _WITH_PEER_IN
-        for name, wanted in (("microbatch", wants_mb), ("chunk", wants_chunk), ("peer", wants_peer)):
-            value = getattr(self, name)
-            if wanted and value is None:
-                raise ValueError(f"{op.value} needs a {name}")
-            if not wanted and value is not None:
+        if type(op) is not Op:
+            op = Op(op)
+            object.__setattr__(self, "op", op)
+        # Built hundreds of thousands of times for a large schedule: one table lookup per field instead of
+        # set tests, and the full check only for a value that is not a plain non-negative int.
+        for name, wanted, value in zip(("microbatch", "chunk", "peer"), _WANTED_FIELDS[op],
+                                       (self.microbatch, self.chunk, self.peer)):
+            if value is None:
+                if wanted:
+                    raise ValueError(f"{op.value} needs a {name}")
+            elif not wanted:
                 raise ValueError(f"{op.value} takes no {name}, got {name}={value!r}")
-            if value is not None:
+            elif type(value) is not int or value < 0:
                 _check_index(f"{op.value} {name}", value)
         if self.version is not None:
             _check_index(f"{op.value} version", self.version)
@@ -176,6 +184,8 @@ class Schedule:
     actions: list[list[Action]]
     options: dict = field(default_factory=dict)
     _stage_at: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
+    _neighbour_ranks: dict[tuple[int, int], tuple[int | None, int | None]] = field(init=False, repr=False,
+                                                                                  compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "num_microbatches", "num_chunks"):
@@ -195,6 +205,14 @@ class Schedule:
                 raise ValueError(f"schedule {self.name!r}: stages {self._stage_at[rank, chunk]} and {stage} "
                                  f"both placed on (rank {rank}, chunk {chunk})")
             self._stage_at[rank, chunk] = stage
+        # (rank, chunk) -> (rank of the previous stage, rank of the next stage), None where that stage is
+        # missing or on the same rank: asked once per action by the communication pass and the validator.
+        self._neighbour_ranks = {}
+        for stage, (rank, chunk) in enumerate(self.placement):
+            prev_rank = self.placement[stage - 1][0] if stage > 0 else None
+            next_rank = self.placement[stage + 1][0] if stage + 1 < len(self.placement) else None
+            self._neighbour_ranks[rank, chunk] = (None if prev_rank == rank else prev_rank,
+                                                  None if next_rank == rank else next_rank)
         if len(self.actions) != self.num_ranks:
             raise ValueError(f"schedule {self.name!r}: {len(self.actions)} action lists for {self.num_ranks} ranks")
         self.actions = [list(rank_actions) for rank_actions in self.actions]
@@ -209,6 +227,15 @@ class Schedule:
             return self._stage_at[rank, chunk]
         except KeyError:
             raise ValueError(f"schedule {self.name!r} has no chunk {chunk} on rank {rank}") from None
+
+    def neighbour_ranks(self, rank: int, chunk: int) -> tuple[int | None, int | None]:
+        """(rank holding the previous stage, rank holding the next stage) of (rank, chunk), each None when
+        there is no such stage or it sits on the same rank (then tensors are handed over in memory)."""
+        try:
+            return self._neighbour_ranks[rank, chunk]
+        except KeyError:
+            self.stage_of(rank, chunk)  # raises the error naming the missing chunk
+            raise
 
     def location(self, stage: int) -> tuple[int, int]:
         """(rank, local chunk) holding global `stage`."""

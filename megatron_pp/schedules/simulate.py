@@ -1,10 +1,13 @@
 """The simulator: replays every rank's list with per-action durations and reports time and stash memory.
 
 Each rank runs its list in order on one compute stream. Sends are asynchronous: a send costs no compute
-time and its data reaches the peer `p2p_latency` later. Receives are posted with their batch and the
-rank moves on; the compute that consumes a received tensor waits until every receive of that batch has
-arrived, as the executor does (it waits on a receive only when the consumer needs it, and on NCCL the
-members of a batch share one completion). Durations come from a `CostModel`: F=1, B=2, BI=1, BW=1 per
+time and its data reaches the peer `p2p_latency` after it is posted, whenever the peer posts the receive.
+Receives cost no compute time either; the compute that consumes a received tensor waits for that
+receive's data and nothing else. That is what the executor does where each point-to-point operation is
+its own work (gloo: sends are completed in the background, the next receive on each link is posted ahead
+so its data can flow during compute, and a receive is waited for by its consumer only; see
+`schedules.execute`). On NCCL a batch is one coalesced work, so a consumer there also waits for the other
+members of its batch; the simulator does not model that (docs/schedules.md, "Cost model"). Durations come from a `CostModel`: F=1, B=2, BI=1, BW=1 per
 chunk by default, optionally scaled per global stage or taken from a measured per-(op, stage) table or
 function. The result holds each rank's timeline, the makespan, busy time and bubble fraction, and the
 stash curve: the number of device-resident (microbatch, chunk) stashes over time, +1 when an F starts and
@@ -30,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
-from megatron_pp.schedules.comm import Link, link_slots
-from megatron_pp.schedules.ir import (COMM_OPS, COMPUTE_OPS, RETURN_TRANSFER, TRANSFER_OPS, Action, Op, Schedule,
-                                      ScheduleError, batches)
+from megatron_pp.schedules.comm import Link, Wakeups, link_slots
+from megatron_pp.schedules.ir import (COMPUTE_OPS, RETURN_TRANSFER, TRANSFER_OPS, Action, Op, Schedule,
+                                      ScheduleError)
 
 MeasuredCosts = Union[Mapping[tuple[Op, int], float], Callable[[Op, int], float]]
 
@@ -215,41 +218,47 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     states = [_RankState() for _ in range(schedule.num_ranks)]
     pos = [0] * schedule.num_ranks
     slot_of = link_slots(schedule.actions)
-    batch_end = [dict(batches(acts)) for acts in schedule.actions]  # first index of a batch -> its end
     arrival: dict[tuple[Link, int], float] = {}  # (link, position on it) -> when the data is at the receiver
+    durations = _Durations(schedule, costs)
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(schedule.actions):
-            state = states[rank]
-            while pos[rank] < len(acts):
-                i = pos[rank]
-                if acts[i].op not in COMM_OPS:
-                    _run_local(schedule, rank, i, acts[i], costs, states)
-                    pos[rank] = i + 1
-                    progress = True
-                    continue
-                end = batch_end[rank][i]
-                if state.posted_at is None:
-                    # Sends leave as soon as the batch is posted.
-                    state.posted_at = state.clock
-                    for link, is_send, k in slot_of[rank][i:end]:
-                        if is_send:
-                            arrival[link, k] = state.clock + costs.p2p_latency
-                    progress = True
-                # The replay needs the arrival times to go on; the simulated rank itself does not wait here.
-                if any((link, k) not in arrival for link, is_send, k in slot_of[rank][i:end] if not is_send):
-                    break
-                start = state.posted_at
-                done = max([start] + [arrival[link, k] for link, is_send, k in slot_of[rank][i:end] if not is_send])
-                for action, (link, is_send, k) in zip(acts[i:end], slot_of[rank][i:end]):
-                    state.timeline.append((action, start, start if is_send else max(start, arrival[link, k])))
-                    if not is_send:
-                        consumer = Op.F if action.op is Op.RECV_F else Op.B
-                        state.inputs_at[consumer, action.microbatch, action.chunk] = done
-                state.posted_at, pos[rank] = None, end
-                progress = True
+    # A rank only waits here for a receive whose sender has not posted yet, so a posting wakes the
+    # receiver and nothing else is looked at again (`Wakeups` keeps the order of the pass loop, which
+    # fixes the order of stash events recorded on a BPipe partner).
+    wakeups = Wakeups(schedule.num_ranks)
+    latency = costs.p2p_latency
+    while (rank := wakeups.next()) is not None:
+        acts, state, slots = schedule.actions[rank], states[rank], slot_of[rank]
+        i, n = pos[rank], len(acts)
+        while i < n:
+            if slots[i] is None:
+                _run_local(schedule, rank, i, acts[i], durations, states)
+                i += 1
+                continue
+            end = i
+            while end < n and slots[end] is not None:
+                end += 1
+            if state.posted_at is None:
+                # Sends leave as soon as the batch is posted.
+                state.posted_at = state.clock
+                for link, is_send, k in slots[i:end]:
+                    if is_send:
+                        arrival[link, k] = state.clock + latency
+                        wakeups.wake(link[1])
+            # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
+            # each consumer waits for its own receive only (`_run_local`).
+            start = state.posted_at
+            if any(not is_send and (link, k) not in arrival for link, is_send, k in slots[i:end]):
+                break
+            for action, (link, is_send, k) in zip(acts[i:end], slots[i:end]):
+                if is_send:
+                    state.timeline.append((action, start, start))
+                else:
+                    done = max(start, arrival[link, k])
+                    state.timeline.append((action, start, done))
+                    consumer = Op.F if action.op is Op.RECV_F else Op.B
+                    state.inputs_at[consumer, action.microbatch, action.chunk] = done
+            state.posted_at, i = None, end
+        pos[rank] = i
 
     stuck = [f"rank {r}, action {pos[r]} ({acts[pos[r]]})" for r, acts in enumerate(schedule.actions)
              if pos[r] < len(acts)]
@@ -274,33 +283,52 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     )
 
 
-def _run_local(schedule: Schedule, rank: int, index: int, action: Action, costs: CostModel,
+class _Durations:
+    """Compute durations and stash sizes of one simulation, per (op, global stage) and asked once each:
+    the replay needs them for every action, the cost model computes them the same way every time."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel):
+        self.schedule, self.costs = schedule, costs
+        self._time: dict[tuple[Op, int, int], tuple[int, float, float]] = {}
+
+    def compute(self, rank: int, op: Op, chunk: int) -> tuple[int, float, float]:
+        """(global stage, duration, stash size) of compute `op` on (rank, chunk)."""
+        key = (op, rank, chunk)
+        found = self._time.get(key)
+        if found is None:
+            stage = self.schedule.stage_of(rank, chunk)
+            found = self._time[key] = (stage, self.costs.duration(op, stage), self.costs.stash_size(stage))
+        return found
+
+
+def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durations: _Durations,
                states: list[_RankState]) -> None:
     """Run one non-communication action of `rank`: compute on its compute stream, a transfer on a lane."""
     state = states[rank]
-    if action.op in TRANSFER_OPS:
-        _run_transfer(schedule, rank, index, action, costs, states)
+    op = action.op
+    if op in TRANSFER_OPS:
+        _run_transfer(schedule, rank, index, action, durations.costs, states)
         return
     start = state.clock
-    key = (action.microbatch, action.chunk)
-    if action.op in COMPUTE_OPS:
-        if action.op in (Op.F, Op.B, Op.BI):
-            consumer = Op.F if action.op is Op.F else Op.B
-            start = max(start, state.inputs_at.pop((consumer, *key), start))
-        if action.op is Op.F:
+    if op in COMPUTE_OPS:
+        key = (action.microbatch, action.chunk)
+        if op is not Op.BW:
+            arrived = state.inputs_at.pop((Op.F if op is Op.F else Op.B, *key), None)
+            if arrived is not None and arrived > start:
+                start = arrived
+        if op is Op.F:
             start = max(start, state.evicted_at)
-        if action.op in (Op.B, Op.BI):
+        elif op is not Op.BW:
             if key in state.away:
                 raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
                                     f"{state.away[key][0].value} and never brought back")
             start = max(start, state.back_at.pop(key, start))
-        stage = schedule.stage_of(rank, action.chunk)
-        duration = costs.duration(action.op, stage)
+        _, duration, size = durations.compute(rank, op, action.chunk)
         state.busy += duration
-        if action.op is Op.F:
-            state.ledger.change(start, +1, costs.stash_size(stage))
-        elif action.op in (Op.B, Op.BW):
-            state.ledger.change(start + duration, -1, costs.stash_size(stage))
+        if op is Op.F:
+            state.ledger.change(start, +1, size)
+        elif op is not Op.BI:
+            state.ledger.change(start + duration, -1, size)
     else:
         # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
         duration = 0.0

@@ -13,10 +13,9 @@ which together with the previous checks proves every cross-rank data dependency 
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
-from megatron_pp.schedules.comm import (Message, RendezvousReplay, expected_peer, forward_neighbours,
-                                        link_of, message_of)
+from megatron_pp.schedules.comm import Message, RendezvousReplay, expected_peer, forward_neighbours, message_of
 from megatron_pp.schedules.ir import (COMM_OPS, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule,
                                       ScheduleError)
 
@@ -118,6 +117,9 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     backward_at: dict[tuple[int, int], int] = {}  # B, or BI when split
     weight_grad_at: dict[tuple[int, int], int] = {}  # BW
     live: dict[tuple[int, int], int | None] = {}  # stashes between F and B/BW -> their weight version
+    # Chunk -> weight version -> live stashes of it (versioned stashes only; kept so that the check of a
+    # forward does not scan every live stash).
+    live_versions: dict[int, Counter] = defaultdict(Counter)
     received: dict[tuple[Op, int, int], int] = {}
     sent: dict[tuple[Op, int, int], int] = {}
     reduced_at: dict[int, list[int]] = {}  # chunk -> indices of its REDUCE_GRADs, one per microbatch group
@@ -130,24 +132,39 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
 
     for i, a in enumerate(acts):
         key = (a.microbatch, a.chunk)
-        if a.op in (Op.B, Op.BI, Op.BW) and key in parked:
+        if parked and a.op in (Op.B, Op.BI, Op.BW) and key in parked:
             away, at = parked[key]
             back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
             raise _error(rank, i, a, f"its stash is off the device since {away} (action {at}); {back} must come "
                                      "before the backward")
-        if a.op in TRANSFER_OPS:
+        if a.op in SEND_OPS:
+            producers = forward_at if a.op is Op.SEND_F else backward_at
+            if key not in producers:
+                what = "F" if a.op is Op.SEND_F else "B (or BI)"
+                raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
+                                         "which has not run yet")
+            if (a.op, a.microbatch, a.chunk) in sent:
+                raise _error(rank, i, a, f"already sent at action {sent[a.op, a.microbatch, a.chunk]}")
+            sent[a.op, a.microbatch, a.chunk] = i
+        elif a.op in COMM_OPS:
+            if (a.op, a.microbatch, a.chunk) in received:
+                raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
+            received[a.op, a.microbatch, a.chunk] = i
+        elif a.op in TRANSFER_OPS:
             _check_stash_transfer(rank, i, a, forward_at, backward_at, parked, returned)
         elif a.op is Op.F:
             if key in forward_at:
                 raise _error(rank, i, a, f"second forward of this microbatch and chunk "
                                          f"(first at action {forward_at[key]})")
             _check_input(schedule, rank, i, a, Op.RECV_F, received, forward_at)
-            versions = {ver for (_, c), ver in live.items() if c == a.chunk} | {a.version}
-            if len(versions - {None}) > 2:
-                raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted(versions - {None})} "
+            held = live_versions[a.chunk]
+            if a.version is not None and a.version not in held and len(held) == 2:
+                raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted({*held, a.version})} "
                                          "at once; at most 2 may be live")
             forward_at[key] = i
             live[key] = a.version
+            if a.version is not None:
+                held[a.version] += 1
         elif a.op in (Op.B, Op.BI):
             if key in backward_at:
                 raise _error(rank, i, a, f"second backward of this microbatch and chunk "
@@ -161,7 +178,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             _check_not_reduced(rank, i, a, reduced_at, group)
             backward_at[key] = i
             if a.op is Op.B:
-                del live[key]
+                _release(live, live_versions, key)
         elif a.op is Op.BW:
             if key in weight_grad_at:
                 raise _error(rank, i, a, f"second weight-gradient of this microbatch and chunk "
@@ -172,20 +189,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
             _check_not_reduced(rank, i, a, reduced_at, group)
             weight_grad_at[key] = i
-            del live[key]
-        elif a.op in SEND_OPS:
-            producers = forward_at if a.op is Op.SEND_F else backward_at
-            if key not in producers:
-                what = "F" if a.op is Op.SEND_F else "B (or BI)"
-                raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
-                                         "which has not run yet")
-            if (a.op, a.microbatch, a.chunk) in sent:
-                raise _error(rank, i, a, f"already sent at action {sent[a.op, a.microbatch, a.chunk]}")
-            sent[a.op, a.microbatch, a.chunk] = i
-        elif a.op in COMM_OPS:
-            if (a.op, a.microbatch, a.chunk) in received:
-                raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
-            received[a.op, a.microbatch, a.chunk] = i
+            _release(live, live_versions, key)
         elif a.op is Op.REDUCE_GRAD:
             done = reduced_at.setdefault(a.chunk, [])
             if len(done) == num_groups:
@@ -220,6 +224,16 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                                  f"its result is never sent to rank {peer} (no {Action(op, mb, chunk, peer)})")
 
 
+def _release(live: dict[tuple[int, int], int | None], live_versions: dict[int, Counter],
+             key: tuple[int, int]) -> None:
+    version = live.pop(key)
+    if version is not None:
+        held = live_versions[key[1]]
+        held[version] -= 1
+        if not held[version]:
+            del held[version]
+
+
 def _check_input(schedule: Schedule, rank: int, index: int, action: Action, recv_op: Op,
                  received: dict[tuple[Op, int, int], int], done: dict[tuple[int, int], int]) -> None:
     """The input of a forward (activation) or backward (output gradient) must be here before it runs:
@@ -252,8 +266,10 @@ def _check_links(schedule: Schedule) -> None:
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.op in COMM_OPS:
-                side = sends if a.op in SEND_OPS else recvs
-                side[link_of(rank, a)].append((rank, i, a, message_of(schedule, rank, a)))
+                if a.op in SEND_OPS:
+                    sends[rank, a.peer].append((rank, i, a, message_of(schedule, rank, a)))
+                else:
+                    recvs[a.peer, rank].append((rank, i, a, message_of(schedule, rank, a)))
     for link in sorted(set(sends) | set(recvs)):
         out, into = sends.get(link, []), recvs.get(link, [])
         for k, (sender, receiver) in enumerate(zip(out, into)):

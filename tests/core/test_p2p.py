@@ -1,9 +1,12 @@
-"""Freeing sent activations: the data goes, the autograd node and the gradient stay correct."""
+"""Point-to-point: freeing sent activations keeps the backward exact, and on gloo receives are posted ahead
+of their batches in each link's order."""
+import pytest
 import torch
 
 from megatron_pp.core import p2p
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.presets import get_preset
+from megatron_pp.schedules.ir import batches
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.training.train import build_pipeline, train_step
 from tests.dist import run_distributed
@@ -41,3 +44,53 @@ def _count_released(ctx):
 def test_executor_frees_every_sent_activation():
     results = dict(run_distributed(2, _count_released))
     assert results == {0: 4, 1: 0}  # rank 0 sends 4 activations downstream; the last stage sends none
+
+
+def _posted_receives(ctx):
+    import dataclasses
+
+    import megatron_pp.schedules.execute as execute
+
+    state = ctx.parallel_state(1, 2)
+    config = dataclasses.replace(get_preset("gpt-tiny"), num_layers=4)
+    schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
+    pipe = build_pipeline(config, state, schedule, micro_batch_size=2, seed=3)
+    ahead, in_batches = [], []
+    original_ahead, original_post = execute.PipelineExecutor._post_ahead, p2p.PipelineComm.post
+
+    def post_ahead(self, actions, index):
+        ahead.append((actions[index].peer, index))
+        return original_ahead(self, actions, index)
+
+    def post(self, sends, recvs):
+        in_batches.extend(recvs)
+        return original_post(self, sends, recvs)
+
+    execute.PipelineExecutor._post_ahead, p2p.PipelineComm.post = post_ahead, post
+    try:
+        data = MockData(3, config.seq_length, config.vocab_size, 2, 8, 1)
+        train_step(pipe, data.step_microbatches(0, 0))
+    finally:
+        execute.PipelineExecutor._post_ahead, p2p.PipelineComm.post = original_ahead, original_post
+    acts = schedule.actions[state.pp_rank]
+    batch_of = {i: start for start, end in batches(acts) for i in range(start, end)}
+    receives = [i for i, a in enumerate(acts) if a.op.value.startswith("RECV")]  # one peer at p = 2
+    # A receive whose predecessor on the link sits in the same batch is posted with that batch.
+    with_predecessor = [i for prev, i in zip(receives, receives[1:]) if batch_of[prev] == batch_of[i]]
+    return p2p.needs_batches(state.pp_group), ahead, len(in_batches), receives, with_predecessor
+
+
+def test_gloo_receives_are_posted_ahead_in_link_order():
+    # gloo needs no batches: every other receive of the list is posted ahead of its batch, right after
+    # its predecessor on the link, so the order of receives on the link (what matches them to sends) is
+    # the list's.
+    for needs, ahead, in_batches, receives, with_predecessor in run_distributed(2, _posted_receives):
+        assert not needs
+        assert [index for _, index in ahead] == [i for i in receives if i not in with_predecessor]
+        assert in_batches == len(with_predecessor)
+
+
+def test_post_receive_is_refused_where_batches_are_needed():
+    comm = p2p.PipelineComm(None, [0, 1], batched=True)
+    with pytest.raises(RuntimeError, match="posted with its batch"):
+        comm.post_receive(torch.empty(1), 1)

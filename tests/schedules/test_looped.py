@@ -76,13 +76,16 @@ def test_groups_bound_memory_and_repeat_the_fill_and_drain(p, m, v, group):
     assert result.bubble_fraction == pytest.approx((p - 1) / (v * group + p - 1), abs=1e-12)
 
 
-def test_the_ring_needs_its_receives_posted_beside_the_sends():
-    """Without the hoisting preference the communication pass makes rank 1 batch two receives, and the
-    first consumer waits for both: the makespan then exceeds the fill-and-drain bound and grows with m."""
+def test_the_ring_posts_its_receives_beside_the_sends():
+    """Without the hoisting preference the communication pass makes rank 1 batch two receives; with it,
+    rank 0 posts the receive from rank p-1 beside its own sends. Where a batch completes as a unit (NCCL)
+    the first consumer would wait for both receives of rank 1's batch; each receive completing on its own
+    (the executor on gloo, the simulator), both lists reach the fill-and-drain bound."""
     schedule = looped_bfs(4, 12, 2)
     plain = dataclasses.replace(schedule, options={**schedule.options, HOIST_TO_SEND_ONLY_BATCHES: False})
-    assert simulate(insert_communication(plain)).makespan == 86
-    assert simulate(insert_communication(schedule)).makespan == 3 * (2 * 12 + 3)
+    preferred, unpreferred = insert_communication(schedule), insert_communication(plain)
+    assert preferred.actions != unpreferred.actions
+    assert simulate(unpreferred).makespan == simulate(preferred).makespan == 3 * (2 * 12 + 3)
 
 
 def test_errors_name_the_flag():

@@ -3,7 +3,7 @@
 `replay` below is written from the simulator's documented rules only, by a different method: a Kleene
 iteration. Every receive's arrival time starts at 0; each round times every rank's list alone, given
 the current arrival times (compute actions run one after another on the rank's stream; a compute waits
-for the whole communication batch that holds its input; a batch is posted when the rank reaches it
+for the receive that holds its input, not for the rest of its batch; a batch is posted when the rank reaches it
 and its sends arrive `p2p_latency` later), and the sends' new arrival times feed the next round. The
 times only grow and are bounded, so the rounds reach the least fixed point, the schedule's timing.
 Sends are matched to receives by what they carry ((forward or backward, microbatch, destination
@@ -48,7 +48,7 @@ def _time_rank(schedule, rank, costs, arrivals):
     clock, busy = 0.0, 0.0
     compute = {}  # list index -> (start, end)
     sends = []  # (key, time the data arrives at the receiver)
-    ready = {}  # (F or B, microbatch, chunk) -> when the batch holding its input is done
+    ready = {}  # (F or B, microbatch, chunk) -> when its input is here (its own receive, not its batch's)
     seen = defaultdict(int)
     acts = schedule.actions[rank]
     i = 0
@@ -58,18 +58,15 @@ def _time_rank(schedule, rank, costs, arrivals):
             j = i
             while j < len(acts) and acts[j].op in COMM_OPS:
                 j += 1
-            batch, done, consumers = acts[i:j], clock, []
-            for b in batch:
+            for b in acts[i:j]:
                 key = _carried(schedule, rank, b)
                 occurrence = (key, seen[key, b.op in SEND_OPS])
                 seen[key, b.op in SEND_OPS] += 1
                 if b.op in SEND_OPS:
                     sends.append((occurrence, clock + costs.p2p_latency))
                 else:
-                    done = max(done, arrivals.get(occurrence, 0.0))
-                    consumers.append((Op.F if b.op is Op.RECV_F else Op.B, b.microbatch, b.chunk))
-            for c in consumers:
-                ready[c] = done
+                    consumer = (Op.F if b.op is Op.RECV_F else Op.B, b.microbatch, b.chunk)
+                    ready[consumer] = max(clock, arrivals.get(occurrence, 0.0))
             i = j
             continue
         start = clock
