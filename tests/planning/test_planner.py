@@ -241,7 +241,8 @@ def test_a_schedule_registered_by_a_plugin_is_planned(monkeypatch):
                 assert p.weight_versions == live_weight_versions(_toy_versioned(c.pp, p.num_microbatches))
                 per_param = state_bytes_per_parameter(dp=c.dp, distributed_optimizer=c.distributed_optimizer)
                 params = planner.rank_parameters(c, build_schedule(c.schedule, c.pp, p.num_microbatches))
-                extra = 2 * (p.weight_versions - 1)  # a bf16 copy of the weights per extra version
+                # Per extra version: a bf16 copy of the weights and the fp32 gradient its deferred update holds.
+                extra = (2 + 4) * (p.weight_versions - 1)
                 assert p.state_bytes == pytest.approx([n * (per_param + extra) for n in params])
             assert _validate_flags(launch_flags(job, c), 8, monkeypatch) == []
     finally:
