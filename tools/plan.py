@@ -7,7 +7,7 @@ Prints the configurations that fit in GPU memory, fastest first (predicted step 
 worst pipeline rank, bubble, MFU), then the launch command of the best rows. Layer times come from
 `--efficiency-file` (tools/bench_layer.py output, measured on the target GPU) or the roofline of
 `--hardware`. Every registered `--pipeline-schedule` is planned, plugins included. Method, accuracy and
-limits: megatron_pp/planning/planner.py and docs/planner.md. Bad input prints one line and exits 2.
+limits: megatron_pp/planning/planner.py (search), cost.py (memory and time) and docs/planner.md. Bad input prints one line and exits 2.
 """
 import argparse
 import dataclasses
@@ -22,11 +22,11 @@ from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
+from megatron_pp.planning.job import GIB, Cluster, Configuration, Job, Plan, Prediction  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
-from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster, Configuration, Job,  # noqa: E402
-                                          Plan, Planner, Prediction, TENSOR_PARALLEL_STATUS,
-                                          TENSOR_PARALLEL_VALIDATED, equivalence_key, launch_command,
-                                          launch_flags, summary_row)
+from megatron_pp.planning.planner import DEFAULT_MAX_MICRO_BATCH, Planner, equivalence_key  # noqa: E402
+from megatron_pp.planning.report import (TENSOR_PARALLEL_STATUS, TENSOR_PARALLEL_VALIDATED,  # noqa: E402
+                                         launch_command, launch_flags, summary_row)
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.schedules.schedule_file import register_schedule_file  # noqa: E402
 

@@ -10,8 +10,10 @@ import pytest
 from megatron_pp.models.presets import get_preset
 from megatron_pp.planning.efficiency import A100_80GB, HardwareProfile
 from megatron_pp.planning.memory import state_bytes_per_parameter
-from megatron_pp.planning.planner import (Cluster, Configuration, Job, Planner, launch_command, launch_flags,
-                                          list_order_peaks, live_weight_versions, resident_peaks)
+from megatron_pp.planning.cost import list_order_peaks, live_weight_versions, resident_peaks
+from megatron_pp.planning.job import Cluster, Configuration, Job
+from megatron_pp.planning.planner import Planner
+from megatron_pp.planning.report import launch_command, launch_flags
 from megatron_pp.schedules.generators import gpipe, looped_placement, one_f_one_b
 from megatron_pp.schedules.ir import TRANSFER_OPS, Action, Op, Schedule
 from megatron_pp.schedules.peer_store import parking_pairs

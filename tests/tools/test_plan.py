@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_pp.planning.planner import GIB
+from megatron_pp.planning.job import GIB
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
