@@ -10,6 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_pp.planning import reproduce as rp  # noqa: E402
+from megatron_pp.planning.papers.common import load_hardware_profile, relative_error  # noqa: E402
+from megatron_pp.planning.papers.small import predicted_stash_peaks, tiny_config  # noqa: E402
 
 HARDWARE = ("a100-80gb", "v100-16gb-p3.16xlarge", "h100-sxm", "h200")
 
@@ -23,7 +25,7 @@ def small():
 
 @pytest.mark.parametrize("name", HARDWARE)
 def test_hardware_profiles_cite_every_number(name):
-    profile, raw = rp.load_hardware_profile(name, "fp16")
+    profile, raw = load_hardware_profile(name, "fp16")
     numbers = [k for k, v in raw.items() if k not in ("name", "sources") and v is not None]
     assert set(numbers) <= set(raw["sources"]), "every number needs a source"
     assert profile.peak_tflops > 0 and 0 < profile.matmul_efficiency <= 1 and profile.gpus_per_node == 8
@@ -32,14 +34,14 @@ def test_hardware_profiles_cite_every_number(name):
 
 def test_v100_has_no_bf16_peak():
     with pytest.raises(ValueError, match="no peak_bf16_tflops"):
-        rp.load_hardware_profile("v100-16gb-p3.16xlarge", "bf16")
+        load_hardware_profile("v100-16gb-p3.16xlarge", "bf16")
 
 
 def test_relative_error_of_points_and_ranges():
-    assert rp.relative_error(1.1, 1.0) == pytest.approx(0.1)
-    assert rp.relative_error(1.5, (1.25, 2.17)) == 0.0
-    assert rp.relative_error(1.0, (1.25, 2.17)) == pytest.approx(-0.2)
-    assert rp.relative_error(None, 1.0) is None
+    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert relative_error(1.5, (1.25, 2.17)) == 0.0
+    assert relative_error(1.0, (1.25, 2.17)) == pytest.approx(-0.2)
+    assert relative_error(None, 1.0) is None
 
 
 @pytest.mark.parametrize("paper", rp.PAPERS)
@@ -60,11 +62,11 @@ def test_quick_run_produces_rows_in_under_a_minute(paper, small):
 
 
 def test_small_scale_memory_matches_measured_within_5_percent(small):
-    cfg = rp.tiny_config()
+    cfg = tiny_config()
     for name, v, options in (("1f1b", 1, {}), ("bpipe", 1, {"bpipe_max_resident": 2}), ("gis-h", 2, {}),
                              ("po-f", 2, {})):
         measured = [r["peak_stash_bytes"] for r in small.run(cfg, name, 4, 8, v, options, 1)]
-        predicted = rp.predicted_stash_peaks(cfg, name, 4, 8, v, options, 1)
+        predicted = predicted_stash_peaks(cfg, name, 4, 8, v, options, 1)
         for got, want in zip(predicted, measured):
             assert got == pytest.approx(want, rel=0.05), (name, predicted, measured)
 
