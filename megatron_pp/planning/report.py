@@ -85,8 +85,8 @@ def launch_command(job: Job, cluster: Cluster, c: Configuration) -> str:
 
 
 TENSOR_PARALLEL_VALIDATED = False
-TENSOR_PARALLEL_STATUS = ("the tensor-parallel term predicted a gloo tp 2 step 53% short in tools/validate_planner.py "
-                          "(every tp 1 configuration within 15%); measure the target GPU with tools/bench_layer.py "
+TENSOR_PARALLEL_STATUS = ("tools/validate_planner.py has not put the tensor-parallel term within 15% of a measured "
+                          "step (docs/planner.md, 'Accuracy on CPU'); measure the target GPU with tools/bench_layer.py "
                           "--tp before trusting tp > 1 rows")
 """Whether `tools/validate_planner.py` put tp > 1 step times within 15% of measured ones (docs/planner.md,
 'Accuracy on CPU'); until it does, tools/plan.py marks those rows and their JSON says so."""

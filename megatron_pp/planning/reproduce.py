@@ -31,10 +31,11 @@ dispatches. `tools/reproduce.py PAPER` prints the tables; docs/reproduction.md h
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 from megatron_pp.planning.papers import bpipe, breadth_first, pipeoffload, twobw
-from megatron_pp.planning.papers.common import PaperReport
+from megatron_pp.planning.papers.common import ROOT, ROWS_HEADER, PaperReport
 from megatron_pp.planning.papers.small import SmallScale
 
 PAPERS = ("bpipe", "bpipe-reeval", "pipeoffload", "2bw", "breadth-first")
@@ -78,3 +79,67 @@ def reproduce(paper: str, *, quick: bool = False, small: Optional[SmallScale] = 
             if own:
                 small.close()
     return report
+
+
+DOCUMENT = os.path.join(ROOT, "docs", "reproduction.md")
+"""Where the recorded tables live: one `### PAPER: title` section per paper, each with its `Calibration:`
+line and its full-scale table exactly as `PaperReport.format` prints them."""
+
+
+def document_tables(path: str = DOCUMENT) -> dict[str, dict]:
+    """Per paper section of `path`: its calibration line and {claim: (published, predicted, error)} of its
+    full-scale table. Raises ValueError for a claim that appears twice in one section."""
+    sections: dict[str, dict] = {}
+    current: Optional[dict] = None
+    in_table = False
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if line.startswith("### "):
+                paper = line[4:].split(":", 1)[0].strip()
+                current = sections.setdefault(paper, {"calibration": None, "rows": {}})
+                in_table = False
+            elif current is None:
+                continue
+            elif line.startswith("Calibration: "):
+                current["calibration"] = line[len("Calibration: "):]
+            elif line == ROWS_HEADER:
+                in_table = True
+            elif in_table and line.startswith("|"):
+                cells = [c.strip() for c in line.strip("|").split(" | ")]
+                if set(cells[0]) <= {"-"} or len(cells) != 4:
+                    continue
+                if cells[0] in current["rows"]:
+                    raise ValueError(f"{path}:{number}: claim {cells[0]!r} appears twice in its section")
+                current["rows"][cells[0]] = tuple(cells[1:])
+            else:
+                in_table = False
+    return sections
+
+
+def check_document(report: PaperReport, sections: dict[str, dict], *, complete: bool = True) -> list[str]:
+    """One line per cell where the recorded table disagrees with what the code computes now, naming the
+    paper, the claim and the column. `complete`: also flag recorded rows the code no longer produces (off
+    for a --quick report, which computes a subset of the rows)."""
+    where = f"docs/reproduction.md, {report.paper}"
+    section = sections.get(report.paper)
+    if section is None:
+        return [f"{where}: no '### {report.paper}: ...' section"]
+    problems = []
+    if section["calibration"] != report.calibration:
+        problems.append(f"{where}: Calibration line differs; the code says: {report.calibration}")
+    computed = {cells[0]: cells[1:] for cells in report.row_cells()}
+    for claim, cells in computed.items():
+        recorded = section["rows"].get(claim)
+        if recorded is None:
+            problems.append(f"{where}: row {claim!r} is missing; the code computes | {' | '.join(cells)} |")
+            continue
+        for column, want, got in zip(("Published", "Predicted", "Error"), cells, recorded):
+            if want != got:
+                problems.append(f"{where}: row {claim!r}, column {column}: the document says {got!r}, the code "
+                                f"computes {want!r}")
+    if complete:
+        problems += [f"{where}: row {claim!r} is recorded but the code no longer produces it"
+                     for claim in section["rows"] if claim not in computed]
+    return problems
+

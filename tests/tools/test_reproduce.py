@@ -1,5 +1,7 @@
-"""tools/reproduce.py: every paper's --quick run produces its rows on CPU in under a minute, and the
-small-scale memory predictions match the executor's measured stash peaks within 5%."""
+"""tools/reproduce.py: every paper's --quick run produces its rows on CPU in under a minute and they are
+the rows docs/reproduction.md records (the --check of the cells it computes: CI's run of the check), the
+check names a cell that disagrees, and the small-scale memory predictions match the executor's measured
+stash peaks within 5%."""
 import os
 import sys
 import time
@@ -11,6 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_pp.planning import reproduce as rp  # noqa: E402
 from megatron_pp.planning.papers.common import load_hardware_profile, relative_error  # noqa: E402
+from megatron_pp.planning.reproduce import DOCUMENT, check_document, document_tables  # noqa: E402
 from megatron_pp.planning.papers.small import predicted_stash_peaks, tiny_config  # noqa: E402
 
 HARDWARE = ("a100-80gb", "v100-16gb-p3.16xlarge", "h100-sxm", "h200")
@@ -59,6 +62,26 @@ def test_quick_run_produces_rows_in_under_a_minute(paper, small):
     memory = [t for t in report.trends if "peak stash per rank" in t.trend]
     for trend in memory:
         assert trend.error is not None and abs(trend.error) <= 0.05, trend
+    # The document records what the code computes (the full table: `tools/reproduce.py all --check`).
+    assert check_document(report, document_tables(), complete=False) == []
+
+
+def test_check_names_the_cell_that_disagrees(tmp_path, capsys):
+    """`--check` passes on the recorded document and names the paper, claim and column of an edited cell."""
+    import reproduce as tool
+
+    assert tool.main(["2bw", "--check"]) == 0
+    report = rp.reproduce("2bw", measure=False)
+    claim, _, predicted, _ = report.row_cells()[0]
+    text = open(DOCUMENT).read()
+    row = next(line for line in text.splitlines() if line.startswith(f"| {claim} |"))
+    edited = tmp_path / "reproduction.md"
+    edited.write_text(text.replace(row, row.replace(f"| {predicted} |", "| 9.99× |", 1)))
+    problems = check_document(report, document_tables(str(edited)))
+    assert problems == [f"docs/reproduction.md, 2bw: row {claim!r}, column Predicted: the document says '9.99×', "
+                        f"the code computes {predicted!r}"]
+    edited.write_text(text.replace(row + "\n", ""))
+    assert any("is missing" in p and claim in p for p in check_document(report, document_tables(str(edited))))
 
 
 def test_small_scale_memory_matches_measured_within_5_percent(small):

@@ -43,6 +43,13 @@ def relative_error(predicted: Optional[float], published: Optional[float | tuple
     return (predicted - published) / published
 
 
+def error_text(error: Optional[float]) -> str:
+    return "—" if error is None else f"{100 * error:+.0f}%"
+
+
+ROWS_HEADER = "| Claim | Published | Predicted | Error |"
+
+
 @dataclass
 class Row:
     """One full-scale claim: the published figure, our prediction, and the relative error."""
@@ -74,19 +81,20 @@ class PaperReport:
     trends: list[Trend] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def format(self) -> str:
-        def err(e: Optional[float]) -> str:
-            return "—" if e is None else f"{100 * e:+.0f}%"
+    def row_cells(self) -> list[tuple[str, str, str, str]]:
+        """The full-scale table as printed: (claim, published, predicted, error) per row."""
+        return [(r.claim, r.published, r.predicted, error_text(r.error)) for r in self.rows]
 
+    def format(self) -> str:
         out = [f"## {self.paper}: {self.title}", "", f"Calibration: {self.calibration}", ""]
         if self.rows:
-            out += ["| Claim | Published | Predicted | Error |", "|---|---|---|---|"]
-            out += [f"| {r.claim} | {r.published} | {r.predicted} | {err(r.error)} |" for r in self.rows]
+            out += [ROWS_HEADER, "|---|---|---|---|"]
+            out += ["| " + " | ".join(cells) + " |" for cells in self.row_cells()]
             out.append("")
         if self.trends:
             out += ["| Small-scale trend | Setting | Measured (executor, CPU) | Predicted (simulator) | Error |",
                     "|---|---|---|---|---|"]
-            out += [f"| {t.trend} | {t.setting} | {t.measured} | {t.predicted} | {err(t.error)} |"
+            out += [f"| {t.trend} | {t.setting} | {t.measured} | {t.predicted} | {error_text(t.error)} |"
                     for t in self.trends]
             out.append("")
         out += [f"- {n}" for n in self.notes]
