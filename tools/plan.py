@@ -7,7 +7,7 @@ Prints the configurations that fit in GPU memory, fastest first (predicted step 
 worst pipeline rank, bubble, MFU), then the launch command of the best rows. Layer times come from
 `--efficiency-file` (tools/bench_layer.py output, measured on the target GPU) or the roofline of
 `--hardware`. Every registered `--pipeline-schedule` is planned, plugins included. Method, accuracy and
-limits: megatron_pp/planning/planner.py and docs/planner.md. Bad input prints one line and exits 2.
+limits: megatron_pp/planning/planner.py (search), cost.py (memory and time) and docs/planner.md. Bad input prints one line and exits 2.
 """
 import argparse
 import dataclasses
@@ -22,10 +22,11 @@ from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
+from megatron_pp.planning.job import GIB, Cluster, Configuration, Job, Plan, Prediction  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
-from megatron_pp.planning.planner import (DEFAULT_MAX_MICRO_BATCH, GIB, Cluster, Configuration, Job,  # noqa: E402
-                                          Plan, Planner, Prediction, equivalence_key, launch_command,
-                                          launch_flags, summary_row)
+from megatron_pp.planning.planner import DEFAULT_MAX_MICRO_BATCH, Planner, equivalence_key  # noqa: E402
+from megatron_pp.planning.report import (TENSOR_PARALLEL_STATUS, TENSOR_PARALLEL_VALIDATED,  # noqa: E402
+                                         launch_command, launch_flags, summary_row)
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.schedules.schedule_file import register_schedule_file  # noqa: E402
 
@@ -57,9 +58,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="network GB/s per GPU and direction (default: the hardware's)")
     p.add_argument("--host-link-gbps", type=float, help="PCIe GB/s per GPU and direction, for offload "
                    "(default: PCIe 4.0 x16 for A100, 5.0 x16 for H100/H200)")
-    p.add_argument("--efficiency-file", help="tools/bench_layer.py JSON; default: roofline of --hardware")
-    p.add_argument("--attention-backend", choices=("flash", "sdpa", "reference"), default="flash",
-                   help="reference = the unfused path that stores the s x s scores")
+    p.add_argument("--efficiency-file", help="tools/bench_layer.py JSON measured on the target GPU; default: the "
+                   "roofline of --hardware at its achieved matmul efficiency (printed with its source)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu plans this repository's fp32 CPU path on gloo (no --bf16 in the commands), with a "
+                        "--hardware JSON describing the machine")
+    p.add_argument("--attention-backend", choices=("flash", "sdpa", "reference"),
+                   help="reference = the unfused path that stores the s x s scores (default: flash on cuda, sdpa "
+                        "on cpu, where flash-attn does not run)")
     p.add_argument("--schedules", help="comma-separated schedule names (default: every registered one)")
     p.add_argument("--pipeline-schedule-file", metavar="FILE",
                    help="plan the action lists in FILE (torch's compute-only CSV or our JSON, docs/plugins.md): only "
@@ -76,6 +82,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--commands", type=int, default=3, help="print the launch command of this many best rows")
     p.add_argument("--json", help="also write every fitting configuration to this JSON file")
     args = p.parse_args(argv)
+    if args.attention_backend is None:
+        args.attention_backend = "flash" if args.device == "cuda" else "sdpa"
     if args.top < 1 or args.commands < 0:
         p.error("--top must be >= 1 and --commands >= 0")
     return args
@@ -95,7 +103,7 @@ def build(args: argparse.Namespace) -> Planner:
         name = register_schedule_file(args.pipeline_schedule_file)
         files, schedules = ((name, args.pipeline_schedule_file),), [name]
     job = Job(args.model_preset, config, args.global_batch_size, attention_backend=args.attention_backend,
-              plugins=tuple(args.schedule_plugin), schedule_files=files)
+              device_type=args.device, plugins=tuple(args.schedule_plugin), schedule_files=files)
     cluster = Cluster(args.num_gpus, hardware, host_link_gbps=args.host_link_gbps,
                       reserved_fraction=args.reserved_memory_fraction)
     recompute = tuple(x.strip() for x in args.recompute_options.split(",") if x.strip())
@@ -116,6 +124,10 @@ def header(plan: Plan, seconds: float) -> list[str]:
         f"host link {plan.cluster.host_bytes_per_s / 1e9:g} GB/s",
         f"layer times: {plan.efficiency}",
     ]
+    if plan.efficiency.startswith("roofline"):
+        source = hw.sources.get("matmul_efficiency", "no source given in the hardware profile")
+        lines.append(f"  matmul efficiency {hw.matmul_efficiency:g} assumed: {source}; --efficiency-file replaces "
+                     "the roofline with layer times measured on the target GPU (tools/bench_layer.py)")
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append(f"{plan.considered} configurations in {seconds:.1f} s: {plan.over_memory} over memory, "
                  f"{sum(plan.skipped.values())} refused by their schedule, {plan.dominated} dominated (one with "
@@ -168,18 +180,22 @@ def option_text(p: Prediction) -> str:
 
 def table(rows: list[tuple[Prediction, int]]) -> list[str]:
     width = max([len("options")] + [len(option_text(p)) for p, _ in rows])
-    lines = [f"{'#':>3} {'schedule':<17} {'v':>2} {'options':<{width}} {'tp':>2} {'pp':>3} {'dp':>3} {'b':>2} "
+    lines = [f"{'#':>3} {'schedule':<17} {'v':>2} {'options':<{width}} {'tp':>3} {'pp':>3} {'dp':>3} {'b':>2} "
              f"{'m':>4} {'recompute':<9} {'W':>1} {'mem GiB (rank)':>14} {'step s':>8} {'bubble%':>7} {'MFU%':>5} "
              f"{'tokens/s':>9} {'alt':>3}"]
     for i, (p, equivalents) in enumerate(rows, 1):
         c = p.configuration
-        lines.append(f"{i:>3} {c.schedule:<17} {c.num_chunks:>2} {option_text(p):<{width}} {c.tp:>2} {c.pp:>3} "
+        tp = f"{c.tp}*" if c.tp > 1 and not TENSOR_PARALLEL_VALIDATED else str(c.tp)
+        lines.append(f"{i:>3} {c.schedule:<17} {c.num_chunks:>2} {option_text(p):<{width}} {tp:>3} {c.pp:>3} "
                      f"{c.dp:>3} {c.micro_batch_size:>2} {p.num_microbatches:>4} {c.recompute:<9} "
                      f"{p.weight_versions:>1} {p.peak_memory_bytes / GIB:>8.1f} ({p.worst_rank:>2}) {p.step_s:>8.3f} "
                      f"{100 * p.bubble_fraction:>7.1f} {100 * p.mfu:>5.1f} {p.tokens_per_s:>9.0f} {equivalents:>3}")
     lines.append("W = weight versions per stage; alt = equivalent variants not shown (same layout and step time); "
-                 "zero1 (--use-distributed-optimizer) whenever dp > 1 unless --no-distributed-optimizer; sequence "
-                 "parallelism whenever tp > 1")
+                 "zero1 (--use-distributed-optimizer) whenever dp > 1 unless --no-distributed-optimizer, except for "
+                 "schedules with weight versions (W = 2: 2BW), which pretrain_gpt.py runs with plain data "
+                 "parallelism only; sequence parallelism whenever tp > 1")
+    if any(p.configuration.tp > 1 for p, _ in rows) and not TENSOR_PARALLEL_VALIDATED:
+        lines.append(f"tp* = step time unvalidated: {TENSOR_PARALLEL_STATUS}")
     return lines
 
 

@@ -5,11 +5,13 @@
     python tools/reproduce.py all --quick --json runs/reproduce.json
     python tools/reproduce.py 2bw --no-measure      # full-scale rows only (no processes started)
     python tools/reproduce.py bpipe --hardware h100-sxm --efficiency-file runs/bench_layer_gpt3.json
+    python tools/reproduce.py all --check           # recompute every simulated table, compare with the docs
 
 PAPER is one of bpipe, bpipe-reeval, pipeoffload, 2bw, breadth-first, or all. Full-scale rows come from
 the paper's configs in launch/configs/ and GPU profiles in launch/hardware/ (`--hardware` overrides the
 paper's GPU); the method is in megatron_pp/planning/reproduce.py and the recorded tables with their
-discussion in docs/reproduction.md.
+discussion in docs/reproduction.md. `--check` recomputes the full-scale tables (no measurement) and exits 1
+with one line per cell where docs/reproduction.md disagrees (with `--quick`, only the cells it computes).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_pp.planning.reproduce import PAPERS, SmallScale, reproduce  # noqa: E402
+from megatron_pp.planning.reproduce import PAPERS, SmallScale, check_document, document_tables, reproduce  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,10 +37,24 @@ def main(argv=None) -> int:
     parser.add_argument("--efficiency-file", default=None,
                         help="bpipe, bpipe-reeval: layer times from a tools/bench_layer.py report, not the roofline")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the full-scale tables with docs/reproduction.md (implies --no-measure); exit 1 "
+                             "naming every cell that differs")
     args = parser.parse_args(argv)
     papers = PAPERS if args.paper == "all" else (args.paper,)
+    if args.check:
+        if args.hardware or args.efficiency_file:
+            print("reproduce.py: error: --check compares the recorded tables, which use the papers' own hardware "
+                  "and the roofline: drop --hardware / --efficiency-file", file=sys.stderr)
+            return 2
+        args.no_measure = True
+        try:
+            sections = document_tables()
+        except (ValueError, OSError) as exc:
+            print(f"reproduce.py: error: {exc}", file=sys.stderr)
+            return 2
     small = None if args.no_measure else SmallScale()
-    reports = []
+    reports, problems = [], []
     try:
         for paper in papers:
             start = time.perf_counter()
@@ -48,8 +64,13 @@ def main(argv=None) -> int:
             except (ValueError, OSError) as exc:
                 print(f"reproduce.py: error: {exc}", file=sys.stderr)
                 return 2
-            print(report.format())
-            print(f"({paper}: {time.perf_counter() - start:.0f} s)\n")
+            if args.check:
+                found = check_document(report, sections, complete=not args.quick)
+                problems += found
+                print(f"{paper}: {len(found)} cell(s) differ ({time.perf_counter() - start:.0f} s)")
+            else:
+                print(report.format())
+                print(f"({paper}: {time.perf_counter() - start:.0f} s)\n")
             reports.append(report.to_dict())
     finally:
         if small is not None:
@@ -59,7 +80,9 @@ def main(argv=None) -> int:
             json.dump({"command": "python tools/reproduce.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                        "reports": reports}, f, indent=2)
         os.replace(args.json + ".tmp", args.json)
-    return 0
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

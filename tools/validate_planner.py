@@ -1,8 +1,9 @@
 """Check the planner against real CPU training runs: predicted vs measured step time and peak stash bytes.
 
-    python tools/validate_planner.py --iterations 8 --json runs/planner_validation.json
+    python tools/validate_planner.py --iterations 8 --profile-out docs/results/planner_validation_profile.json \
+        --json docs/results/planner_validation.json
 
-For each configuration below, the planner predicts (megatron_pp/planning/planner.py, CPU fp32 numerics)
+For each configuration below, the planner predicts (megatron_pp/planning/cost.py, CPU fp32 numerics)
 and the training code runs it on a local gloo world (`core.local_world.WorkerPool`, one process per
 rank, one thread each), launched with the planner's own flags (`pretrain` with `--mock-data`). Measured:
 the median `step_time_s` of the iterations after the first two (the first builds buffers; 2BW's first is
@@ -33,7 +34,9 @@ from megatron_pp.cli import write_json  # noqa: E402
 from megatron_pp.core.local_world import WorkerPool  # noqa: E402
 from megatron_pp.models.presets import get_preset  # noqa: E402
 from megatron_pp.planning.efficiency import HardwareProfile  # noqa: E402
-from megatron_pp.planning.planner import Cluster, Configuration, Job, Planner, launch_flags  # noqa: E402
+from megatron_pp.planning.job import Cluster, Configuration, Job  # noqa: E402
+from megatron_pp.planning.planner import Planner  # noqa: E402
+from megatron_pp.planning.report import launch_flags  # noqa: E402
 
 PRESET = "gpt-tiny"
 # Large enough that compute, not per-action overhead, dominates a CPU step (as in tools/bench_schedules.py).
@@ -227,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8, help="training iterations per timed configuration")
     parser.add_argument("--profile-repeats", type=int, default=5, help="bench_layer rounds per profile")
-    parser.add_argument("--profile-out", default="runs/planner_validation_profile.json")
+    parser.add_argument("--profile-out", default="docs/results/planner_validation_profile.json")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.iterations < 4 or args.profile_repeats < 1:

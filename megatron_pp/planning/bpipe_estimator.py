@@ -23,8 +23,12 @@ option, `estimate`:
 3. for BPipe simulates the very action lists `--pipeline-schedule bpipe` runs, EVICT/LOAD taking
    stash bytes / pair bandwidth on the pair's link: transfers that do not hide behind compute show as a
    longer makespan (a backward waiting for its load, a forward waiting for the eviction that makes room).
-   The bound is a knob (`--bpipe-max-resident`): each configuration uses the loosest `K` that fits, i.e.
-   the fewest transfers (`K = p` is plain 1F1B);
+   The bound is a knob (`--bpipe-max-resident`): each configuration uses the loosest `K < p` that fits,
+   i.e. the fewest transfers that still make it BPipe. `K = p` would be plain 1F1B, so it is not a BPipe
+   candidate: with it the best BPipe could never be slower than the best 1F1B and the answer would be
+   forced to "on" or a tie. A job where 1F1B fits without recomputation therefore sees BPipe's transfers
+   as a cost (S < 1 when they do not hide), and one where BPipe lets a configuration drop recomputation
+   sees the gain (S > 1). At p ≤ 2 BPipe moves nothing (its bound ⌈(p+2)/2⌉ ≥ p) and the candidate is 1F1B;
 4. compares the fastest configuration that fits with BPipe against the fastest that fits without:
    speedup `S = T_1F1B / T_BPipe`; turn BPipe on iff `S > 1`.
 
@@ -296,12 +300,11 @@ def estimate(
 def _loosest_bound(p: int, m: int, plain: tuple[float, ...], plain_sim: SimResult, capacity: float,
                    state: Sequence[float], stash: Sequence[float], transient: float,
                    costs: CostModel) -> tuple[int, tuple[float, ...], SimResult]:
-    """BPipe's bound for one configuration: (K, peak bytes per stage, simulated step) for the loosest K
-    whose simulated peaks fit, K = p (plain 1F1B, no transfers) when 1F1B fits, and the default bound when
-    none fits. Bounds that provably cannot fit are not simulated: an evicting stage peaks at exactly K + 1
-    of its own stashes and its partner holds at least the parked `min(p − x, m) − K` at once."""
-    if max(plain) <= capacity:
-        return p, plain, plain_sim
+    """BPipe's bound for one configuration: (K, peak bytes per stage, simulated step) for the loosest
+    K < p whose simulated peaks fit, and the default bound when none fits (module docstring: K = p is
+    1F1B, not a BPipe candidate, except at p ≤ 2 where BPipe moves nothing). Bounds that provably cannot
+    fit are not simulated: an evicting stage peaks at exactly K + 1 of its own stashes and its partner
+    holds at least the parked `min(p − x, m) − K` at once."""
     counts = one_f_one_b_stashes(p, m)
 
     def floor(bound: int) -> float:

@@ -9,10 +9,11 @@ recomputation re-runs). Two sources give them as `LayerTimes`:
   sizes the MFU is interpolated linearly in `b`; beyond them the nearest measured MFU is used. When the
   measured layer shape differs from the job's, times are scaled by the FLOP ratio (same MFU), which is
   reported as a warning: MFU depends on shape, so measure the job's shape when it matters.
-- `Roofline`: no measurement. Each kernel of the layer (`kernels`) takes `max(FLOPs / peak, bytes /
-  HBM bandwidth)`, with the device's datasheet numbers from a `HardwareProfile` and no derating
-  (`matmul_efficiency` = 1.0): absolute MFU is therefore an upper bound, and what the estimator uses are
-  ratios between configurations. Byte counts assume bf16 activations and Megatron-style fused kernels
+- `Roofline`: no measurement. Each kernel of the layer (`kernels`) takes `max(FLOPs / (peak ·
+  matmul_efficiency), bytes / HBM bandwidth)`, with the device's datasheet numbers from a
+  `HardwareProfile` and an achieved matmul efficiency taken from a published training run on that GPU
+  (each built-in profile names its paper; 1.0 would be the pure roofline, an upper bound no system
+  reaches). Byte counts assume bf16 activations and Megatron-style fused kernels
   (scale-mask-softmax, bias-GELU, bias-dropout-add, fp32 gradient accumulation in the weight-gradient
   GEMM). Unfused attention writes and re-reads the `b·a/t·s²` score, probability and dropout tensors;
   a flash kernel reads q, k, v and writes the output only, skips the masked half of a causal square
@@ -67,7 +68,9 @@ class HardwareProfile:
     gpus_per_node: int = 8
     """GPUs joined by the intra-node link."""
     matmul_efficiency: float = 1.0
-    """Fraction of the peak matrix products reach; 1.0 = pure roofline."""
+    """Fraction of the peak matrix products reach; 1.0 = pure roofline. The built-in profiles take it from
+    a published end-to-end training throughput on that GPU, which also pays communication and bubbles,
+    so it errs low (a conservative speed) rather than high."""
     collective_latency_s: float = 0.0
     """Fixed cost of one tensor-parallel collective, seconds, on top of its bytes over `tp_link_gbps`;
     0 = bandwidth only (NVLink's few microseconds are negligible at training sizes; gloo's are not)."""
@@ -88,6 +91,12 @@ _A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-
 _HDR_IB = ("HDR InfiniBand, 200 Gb/s = 25 GB/s per direction per adapter; one adapter per GPU as in the DGX A100 "
            "(8 single-port ConnectX-6 for compute); the BPipe paper names HDR InfiniBand, not the adapter count")
 
+_A100_ACHIEVED = ("PipeOffload (arXiv 2503.01328, Fig. 1 and its offload-time formula) takes 220 TFLOP/s achieved "
+                  "on A100 in training: 220 / 312 = 0.705 (launch/hardware/a100-80gb.yaml uses the same figure)")
+_H100_ACHIEVED = ("Llama 3 (arXiv 2407.21783, §3.3.2, Table 4): 430 TFLOP/s per GPU, BF16 MFU 43%, pretraining the "
+                  "405B model on 8,192 H100s: 430 / 989.5 = 0.435, an end-to-end figure (bubbles and communication "
+                  "included), so a lower bound on the matmul efficiency")
+
 A100_80GB = HardwareProfile(
     name="A100-SXM4-80GB",
     peak_tflops=312.0,
@@ -95,6 +104,7 @@ A100_80GB = HardwareProfile(
     hbm_gbps=2039.0,
     tp_link_gbps=300.0,
     pair_link_gbps=25.0,
+    matmul_efficiency=0.705,
     sources={
         "peak_tflops": f"{_A100_DATASHEET}: BFLOAT16 Tensor Core 312 TFLOPS (624 with sparsity)",
         "memory_gib": "80 GB HBM2e (datasheet); nvidia-smi reports 81920 MiB",
@@ -102,7 +112,7 @@ A100_80GB = HardwareProfile(
         "tp_link_gbps": f"{_A100_DATASHEET}: NVLink 600 GB/s, i.e. 300 GB/s per direction",
         "pair_link_gbps": _HDR_IB,
         "gpus_per_node": "DGX A100 / HGX A100 baseboard: 8 GPUs per node",
-        "matmul_efficiency": "roofline: no derating",
+        "matmul_efficiency": _A100_ACHIEVED,
     },
 )
 H100_SXM = HardwareProfile(
@@ -112,6 +122,7 @@ H100_SXM = HardwareProfile(
     hbm_gbps=3350.0,
     tp_link_gbps=450.0,
     pair_link_gbps=50.0,
+    matmul_efficiency=0.435,
     sources={
         "peak_tflops": "NVIDIA H100 Tensor Core GPU datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity (SXM)",
         "memory_gib": "H100 datasheet: 80 GB (SXM), taken as GiB: an upper bound, the driver reports a little less",
@@ -119,7 +130,7 @@ H100_SXM = HardwareProfile(
         "tp_link_gbps": "H100 datasheet: NVLink 900 GB/s, i.e. 450 GB/s per direction",
         "pair_link_gbps": "NDR InfiniBand, 400 Gb/s = 50 GB/s per direction, one adapter per GPU (DGX H100)",
         "gpus_per_node": "DGX H100 / HGX H100 baseboard: 8 GPUs per node",
-        "matmul_efficiency": "roofline: no derating",
+        "matmul_efficiency": _H100_ACHIEVED,
     },
 )
 H200_SXM = HardwareProfile(
@@ -129,6 +140,7 @@ H200_SXM = HardwareProfile(
     hbm_gbps=4800.0,
     tp_link_gbps=450.0,
     pair_link_gbps=50.0,
+    matmul_efficiency=0.435,
     sources={
         "peak_tflops": "NVIDIA H200 Tensor Core GPU datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity (SXM)",
         "memory_gib": "H200 datasheet: 141 GB, taken as GiB: an upper bound, the driver reports a little less",
@@ -136,7 +148,9 @@ H200_SXM = HardwareProfile(
         "tp_link_gbps": "H200 datasheet: NVLink 900 GB/s, i.e. 450 GB/s per direction",
         "pair_link_gbps": "NDR InfiniBand, 400 Gb/s = 50 GB/s per direction, one adapter per GPU",
         "gpus_per_node": "HGX H200 baseboard: 8 GPUs per node",
-        "matmul_efficiency": "roofline: no derating",
+        "matmul_efficiency": "no published H200 training throughput found: the H100's figure (same compute die and "
+                             "clocks; the faster HBM only helps memory-bound kernels, which the roofline times by "
+                             "bytes). " + _H100_ACHIEVED,
     },
 )
 

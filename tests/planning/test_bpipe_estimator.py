@@ -93,7 +93,9 @@ def test_transfers_over_the_network_are_charged():
     """Split over two 4-GPU nodes, pairs (x, 7 - x) talk over HDR InfiniBand: a stage-0 stash takes
     longer to send than stage 0 computes per microbatch. In the simulated `bpipe` lists each forward then
     waits for the eviction that makes room for it, about `m − K` times the difference per step."""
-    two_nodes = dataclasses.replace(A100_80GB, gpus_per_node=4)
+    # At peak matmul rate (efficiency 1) a stage computes fastest, so the copies dominate it clearly and the
+    # `m − K` rule below holds closely; with the profile's achieved efficiency the gap narrows.
+    two_nodes = dataclasses.replace(A100_80GB, gpus_per_node=4, matmul_efficiency=1.0)
     job = _job("gpt3-13b", "unfused", 0.1)
     e = _estimate(job, two_nodes)
     c = next(c for c in e.candidates if c.bpipe and c.recompute == "none" and c.micro_batch_size == 1)
@@ -104,9 +106,27 @@ def test_transfers_over_the_network_are_charged():
     transfer = stash_bytes(job.config, job.stages[0], 1, attention="unfused") / (two_nodes.pair_link_gbps * 1e9)
     assert transfer > stage0
     assert c.transfer_overhead_s == pytest.approx((128 - 6) * (transfer - stage0), rel=0.1)
-    # Slower than recomputing: BPipe's best is then the 1F1B configuration itself (K = p, no transfers).
-    assert e.best_bpipe.recompute == "full" and e.best_bpipe.resident_bound == 8
-    assert e.speedup == 1.0 and not e.turn_on
+    # Slower than recomputing: BPipe's best is then full recomputation with the loosest real bound (K = p − 1,
+    # whose few small stashes hide behind compute), no faster than 1F1B itself: the answer is off.
+    assert e.best_bpipe.recompute == "full" and e.best_bpipe.resident_bound == 7
+    assert e.speedup <= 1.0 and not e.turn_on
+
+
+def test_the_estimator_can_say_bpipe_loses_and_wins():
+    """The answer is not forced by the candidate set (K = p, plain 1F1B, is never a BPipe candidate). GPT-3
+    13B without flash attention on two 4-GPU nodes: on a GPU large enough for 1F1B without recomputation,
+    BPipe's evictions of 5.6 GB stashes cross the network slower than a stage computes and lengthen the
+    step: S < 1, off. On an 80 GB GPU 1F1B must recompute and BPipe lets it stop: S > 1, on."""
+    two_nodes = dataclasses.replace(A100_80GB, gpus_per_node=4)
+    job = _job("gpt3-13b", "unfused", 0.1)
+    loses = _estimate(job, two_nodes, gpu_memory_gib=200)
+    assert loses.best_plain.recompute == "none" and loses.best_bpipe.resident_bound < 8
+    assert loses.speedup < 1.0 and not loses.turn_on
+    evicting = next(c for c in loses.candidates if c.bpipe and c.recompute == "none")
+    assert evicting.transfer_overhead_s > 0 and evicting.step_s > loses.best_plain.step_s
+    wins = _estimate(job, two_nodes, pairs_on_node=True)
+    assert wins.best_plain.recompute == "full" and wins.best_bpipe.recompute == "none"
+    assert wins.speedup > 1.0 and wins.turn_on
 
 
 def test_roofline_kernels_and_flat_mfu():
@@ -195,7 +215,7 @@ def test_cli_answers_with_numbers(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "best 1F1B : b=1 m=128 recompute=full" in text
     assert "best BPipe: b=1 m=128 recompute=none K=6" in text
-    assert "predicted speedup S = 1.299 = per-sample compute 1.297" in text and "answer: turn BPipe ON" in text
+    assert "predicted speedup S = 1.297 = per-sample compute 1.295" in text and "answer: turn BPipe ON" in text
     import json
     (report,) = json.loads(out.read_text())
     assert report["turn_on"] and math.isclose(report["speedup"], 1.30, abs_tol=0.01)

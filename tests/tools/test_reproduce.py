@@ -1,5 +1,7 @@
-"""tools/reproduce.py: every paper's --quick run produces its rows on CPU in under a minute, and the
-small-scale memory predictions match the executor's measured stash peaks within 5%."""
+"""tools/reproduce.py: every paper's --quick run produces its rows on CPU in under a minute and they are
+the rows docs/reproduction.md records (the --check of the cells it computes: CI's run of the check), the
+check names a cell that disagrees, and the small-scale memory predictions match the executor's measured
+stash peaks within 5%."""
 import os
 import sys
 import time
@@ -10,6 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_pp.planning import reproduce as rp  # noqa: E402
+from megatron_pp.planning.papers.common import load_hardware_profile, relative_error  # noqa: E402
+from megatron_pp.planning.reproduce import DOCUMENT, check_document, document_tables  # noqa: E402
+from megatron_pp.planning.papers.small import predicted_stash_peaks, tiny_config  # noqa: E402
 
 HARDWARE = ("a100-80gb", "v100-16gb-p3.16xlarge", "h100-sxm", "h200")
 
@@ -23,7 +28,7 @@ def small():
 
 @pytest.mark.parametrize("name", HARDWARE)
 def test_hardware_profiles_cite_every_number(name):
-    profile, raw = rp.load_hardware_profile(name, "fp16")
+    profile, raw = load_hardware_profile(name, "fp16")
     numbers = [k for k, v in raw.items() if k not in ("name", "sources") and v is not None]
     assert set(numbers) <= set(raw["sources"]), "every number needs a source"
     assert profile.peak_tflops > 0 and 0 < profile.matmul_efficiency <= 1 and profile.gpus_per_node == 8
@@ -32,14 +37,14 @@ def test_hardware_profiles_cite_every_number(name):
 
 def test_v100_has_no_bf16_peak():
     with pytest.raises(ValueError, match="no peak_bf16_tflops"):
-        rp.load_hardware_profile("v100-16gb-p3.16xlarge", "bf16")
+        load_hardware_profile("v100-16gb-p3.16xlarge", "bf16")
 
 
 def test_relative_error_of_points_and_ranges():
-    assert rp.relative_error(1.1, 1.0) == pytest.approx(0.1)
-    assert rp.relative_error(1.5, (1.25, 2.17)) == 0.0
-    assert rp.relative_error(1.0, (1.25, 2.17)) == pytest.approx(-0.2)
-    assert rp.relative_error(None, 1.0) is None
+    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert relative_error(1.5, (1.25, 2.17)) == 0.0
+    assert relative_error(1.0, (1.25, 2.17)) == pytest.approx(-0.2)
+    assert relative_error(None, 1.0) is None
 
 
 @pytest.mark.parametrize("paper", rp.PAPERS)
@@ -57,14 +62,34 @@ def test_quick_run_produces_rows_in_under_a_minute(paper, small):
     memory = [t for t in report.trends if "peak stash per rank" in t.trend]
     for trend in memory:
         assert trend.error is not None and abs(trend.error) <= 0.05, trend
+    # The document records what the code computes (the full table: `tools/reproduce.py all --check`).
+    assert check_document(report, document_tables(), complete=False) == []
+
+
+def test_check_names_the_cell_that_disagrees(tmp_path, capsys):
+    """`--check` passes on the recorded document and names the paper, claim and column of an edited cell."""
+    import reproduce as tool
+
+    assert tool.main(["2bw", "--check"]) == 0
+    report = rp.reproduce("2bw", measure=False)
+    claim, _, predicted, _ = report.row_cells()[0]
+    text = open(DOCUMENT).read()
+    row = next(line for line in text.splitlines() if line.startswith(f"| {claim} |"))
+    edited = tmp_path / "reproduction.md"
+    edited.write_text(text.replace(row, row.replace(f"| {predicted} |", "| 9.99× |", 1)))
+    problems = check_document(report, document_tables(str(edited)))
+    assert problems == [f"docs/reproduction.md, 2bw: row {claim!r}, column Predicted: the document says '9.99×', "
+                        f"the code computes {predicted!r}"]
+    edited.write_text(text.replace(row + "\n", ""))
+    assert any("is missing" in p and claim in p for p in check_document(report, document_tables(str(edited))))
 
 
 def test_small_scale_memory_matches_measured_within_5_percent(small):
-    cfg = rp.tiny_config()
+    cfg = tiny_config()
     for name, v, options in (("1f1b", 1, {}), ("bpipe", 1, {"bpipe_max_resident": 2}), ("gis-h", 2, {}),
                              ("po-f", 2, {})):
         measured = [r["peak_stash_bytes"] for r in small.run(cfg, name, 4, 8, v, options, 1)]
-        predicted = rp.predicted_stash_peaks(cfg, name, 4, 8, v, options, 1)
+        predicted = predicted_stash_peaks(cfg, name, 4, 8, v, options, 1)
         for got, want in zip(predicted, measured):
             assert got == pytest.approx(want, rel=0.05), (name, predicted, measured)
 

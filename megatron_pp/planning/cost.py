@@ -1,0 +1,532 @@
+"""The cost of one configuration: its memory per pipeline rank and its step time, from the schedule's own
+action lists replayed by the simulator, the layer times of `planning.efficiency` and the closed forms of
+`planning.memory`. `Evaluator` does this for any `planning.job.Configuration`; the search over
+configurations (`planning.planner.Planner`) is built on it.
+
+Nothing is special-cased by schedule name: memory and time come from the schedule's own lists. The
+options the evaluator fills in when a configuration does not give them (`with_planned_options`) and the
+unrolled `steps` of a flush-free schedule follow the option rules of `planning.planner`'s docstring.
+
+**Time.** Global stage `s` (one chunk) runs `F_s = L_s·t_F(b)` and `B_s = L_s·(t_B(b) + recompute)`, plus
+the output layer and cross-entropy on the last stage (`efficiency.head_times`). Layer times and what
+recomputation re-runs come from a `tools/bench_layer.py` measurement (`efficiency.MeasuredCurve`) or the
+roofline (`efficiency.Roofline`), tensor-parallel collectives included. A split backward is still timed
+as BI = B_s and BW = 0 (our simplification, from before the executor split the weight GEMMs off into BW:
+pessimistic for schedules that place BW in a bubble; tools/bench_split_backward.py measures the split). The embedding lookup is not timed (a gather, well under
+1% of a stage). A stage boundary sends `s·b·h` activations (`s·b·h/tp` under sequence parallelism) over
+NVLink when the whole job fits in one node, else over the network (Megatron's rank order puts pipeline
+neighbours tp·dp ranks apart, so some hop crosses nodes). Offload copies take stash bytes / host link
+(PCIe); peer transfers (BPipe's EVICT/LOAD) stash bytes / the pipeline link. After its last action each
+rank reduces its gradients over dp (a ring all-reduce of fp32 gradients, `2(dp−1)/dp·4·P` bytes, or with
+the distributed optimizer a reduce-scatter of the gradients and an all-gather of the parameters,
+`(dp−1)/dp·(4 + parameter bytes)·P`), on NVLink when tp·dp fits in a node, else on the network (2BW's
+`bw_width`); the ranks holding the tied embedding and head sum its gradient; then Adam runs at
+device-memory speed (`ADAM_BYTES_PER_PARAMETER`). None of this overlaps the pipeline (the default,
+without `--overlap-grad-reduce`). The step time is the latest rank's end of all that.
+
+**Memory** per pipeline rank (every tp and dp rank of it holds the same):
+
+    weights, gradients, Adam state    `memory.stage_parameters_per_gpu` of the rank's chunks (a tied
+                                      embedding once per rank) × `memory.state_bytes_per_parameter`:
+                                      18 bytes per parameter in bf16, 6 + 12/dp with ZeRO-1
+    extra weight versions             (versions − 1) × parameters × (parameter bytes + 4), versions being the
+                                      most `@v` weight versions alive at once in a rank's list
+                                      (`live_weight_versions`): 2 for PipeDream-2BW, 1 for flushed schedules.
+                                      Each extra version is a copy of the weights plus the fp32 gradient its
+                                      deferred update holds (`training.weight_versions`: the pending buffer):
+                                      24 bytes per parameter for 2BW in bf16 or fp32, against 18 and 16
+    resident stashes                  the simulator's resident-stash curve, each (microbatch, chunk) weighted
+                                      by its stage's `memory.stash_bytes`, at its peak: host-parked stashes
+                                      do not count, a stash parked on a peer counts on the peer
+                                      (`resident_peaks`; `list_order_peaks` when nothing moves)
+    recomputation transient           one layer rebuilt during the backward (`transient_activation_bytes`)
+
+A configuration fits when its worst rank is within the GPU memory minus a reserve (10%, as the BPipe
+estimator assumes, for the CUDA context, NCCL buffers and fragmentation).
+
+**Large m.** Above `m = 3p + r` (r = m mod p) the planner simulates `m1 = 2p + r` and `m2 = 3p + r` and
+extends every per-rank quantity (end time, busy time, peak stash bytes) linearly to m: after the warm-up a
+schedule repeats every p microbatches, so each further p microbatches add the same time, and peak
+stashes are either flat (1F1B-like) or grow by the same amount (GPipe-like); a peak is never taken below
+m2's. tests/planning/test_planner.py checks this against exact simulations for every registered
+schedule; `evaluate(..., exact=True)` skips it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from megatron_pp.models.layout import StageSpec, split_layers
+from megatron_pp.planning.efficiency import EfficiencyModel, LayerShape, MeasuredCurve, Roofline, head_times
+from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction, ScheduleUnavailable
+from megatron_pp.planning.memory import (stage_parameters_per_gpu, state_bytes_per_parameter, stash_bytes,
+                                         transient_activation_bytes)
+from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule
+from megatron_pp.schedules.offload import OffloadWarning
+from megatron_pp.schedules.registry import build_schedule, get_schedule
+from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
+from megatron_pp.schedules.validate import validate
+from megatron_pp.training.flops import iteration_flops
+
+GRAD_BYTES = 4
+"""Gradients accumulate and are reduced in fp32 whatever the parameter dtype (`core.grads.GRAD_DTYPE`)."""
+ADAM_BYTES_PER_PARAMETER = {True: 34, False: 32}
+"""Device-memory bytes Adam moves per parameter it updates, by bf16 (True) or fp32 (False) parameters:
+the gradient-norm pass reads the fp32 gradient (4); the update reads gradient, main weight and both
+moments (16) and writes main weight and moments (12); bf16 training then writes the bf16 copy (2)."""
+TRANSFER_GRID_BASE = 2.0
+"""`--offload-time` (a schedule option: where the offload pass places copies) is rounded up to a power of
+this base, so that candidates with nearly equal ratios share one built schedule; rounding up places
+reloads a little earlier, never later. The simulated copies themselves take their exact modelled time."""
+
+@dataclass
+class _Replay:
+    """Per-rank results at one microbatch count: the inputs of (possible) extrapolation in m."""
+
+    m: int
+    stash_bytes: list[float]
+    stash_count: list[float]
+    end: list[float] = field(default_factory=list)
+    """When each rank's last action ends (one optimizer step; empty before timing)."""
+    busy: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Prepared:
+    """A configuration between `Planner.prepare` and `Planner.finish`."""
+
+    configuration: Configuration
+    m: int
+    stash: list[int]
+    transient: float
+    versions: int
+    groups: list[tuple[Schedule, ...]]
+    """Per simulated microbatch count, compute lists: the schedule, or (2 steps, 3 steps) for schedules
+    that unroll steps (`Planner.schedule`, not runnable)."""
+    params: list[int]
+    state: tuple[float, ...]
+    costs: CostModel
+    transfers: bool
+    after: list[float]
+    bound_s: float
+    """Lower bound of the step time: the busiest rank's compute plus what follows its last action."""
+    memory: Optional[Prediction] = None
+    """The memory, when it does not depend on timing (the schedule moves no stashes)."""
+
+    @property
+    def sizes(self) -> list[int]:
+        return [group[0].num_microbatches // group[0].options.get("steps", 1) for group in self.groups]
+
+
+class Evaluator:
+    """Memory and step time of configurations of `job` on `cluster` (module docstring).
+
+    `efficiency_file` is a `tools/bench_layer.py` report (layer times per microbatch size, scaled by FLOPs
+    to each tp shard), else the roofline of `cluster.hardware` at its achieved matmul efficiency. Built
+    schedules and per-stage figures are cached, so evaluating many configurations of one job is cheap.
+    """
+
+    def __init__(self, job: Job, cluster: Cluster, *, efficiency_file: Optional[str] = None) -> None:
+        self.job, self.cluster = job, cluster
+        self.efficiency_file = efficiency_file
+        self.warnings: list[str] = []
+        self._efficiency: dict[int, EfficiencyModel] = {}
+        self._schedules: dict[tuple, Schedule | ScheduleUnavailable] = {}
+        self._per_stage: dict[tuple, object] = {}
+
+    # Models --------------------------------------------------------------------------------------------
+    def efficiency(self, tp: int) -> EfficiencyModel:
+        """Layer times of the tp shard (with sequence parallelism when tp > 1), cached per tp."""
+        if tp not in self._efficiency:
+            shape = LayerShape.from_config(self.job.config, tp, sequence_parallel=tp > 1,
+                                           activation_bytes=self.job.numerics.activation_bytes)
+            hw = self.cluster.hardware
+            if self.efficiency_file:
+                model = MeasuredCurve.from_file(self.efficiency_file, shape, self.job.attention, hw)
+                self.warnings += [w for w in model.warnings if w not in self.warnings]
+            else:
+                model = Roofline(shape, hw, self.job.attention)
+            self._efficiency[tp] = model
+        return self._efficiency[tp]
+
+    def stages(self, c: Configuration) -> list[StageSpec]:
+        return split_layers(self.job.config.num_layers, c.pp, c.num_chunks)
+
+    def stage_stash_bytes(self, c: Configuration) -> list[int]:
+        """Bytes of one (microbatch, stage) stash for every global stage."""
+        out = []
+        for spec in self.stages(c):
+            # A search asks for the same few stage kinds (layer count, embedding, head) thousands of times.
+            key = ("stash", c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding, spec.has_head)
+            if key not in self._per_stage:
+                job = self.job
+                self._per_stage[key] = stash_bytes(job.config, spec, c.micro_batch_size, tp=c.tp,
+                                                   sequence_parallel=c.sequence_parallel, attention=job.attention,
+                                                   recompute=c.recompute, numerics=job.numerics)
+            out.append(self._per_stage[key])
+        return out
+
+    def stage_parameters(self, c: Configuration) -> list[int]:
+        """Parameters one GPU of every global stage holds."""
+        out = []
+        for spec in self.stages(c):
+            key = ("params", c.tp, spec.num_layers, spec.has_embedding, spec.has_head)
+            if key not in self._per_stage:
+                self._per_stage[key] = stage_parameters_per_gpu(self.job.config, spec, c.tp)
+            out.append(self._per_stage[key])
+        return out
+
+    def rank_parameters(self, c: Configuration, schedule: Schedule) -> list[int]:
+        """Parameters one GPU of each pipeline rank holds (a tied embedding counted once per rank)."""
+        specs, params = self.stages(c), self.stage_parameters(c)
+        config = self.job.config
+        out = []
+        for rank in range(c.pp):
+            held = [schedule.stage_of(rank, chunk) for chunk in range(c.num_chunks)]
+            count = sum(params[s] for s in held)
+            # Embedding and head as different chunks of one rank share one tied parameter (training/model.py).
+            tied = not config.untie_embeddings_and_output_weights
+            if tied and len(held) > 1 and any(specs[s].has_embedding for s in held) and any(
+                    specs[s].has_head for s in held):
+                count -= config.padded_vocab_size(c.tp) // c.tp * config.hidden_size
+            out.append(count)
+        return out
+
+    def stage_times(self, c: Configuration) -> list[tuple[float, float]]:
+        """(F, B) seconds of every global stage for one microbatch (B includes what recompute re-runs)."""
+        layer = self.efficiency(c.tp).layer_times(c.micro_batch_size)
+        head_f, head_b = head_times(self.job.config, c.micro_batch_size, c.tp, c.sequence_parallel,
+                                    self.cluster.hardware)
+        backward = layer.compute_s(c.recompute) - layer.forward_s
+        return [(spec.num_layers * layer.forward_s + (head_f if spec.has_head else 0.0),
+                 spec.num_layers * backward + (head_b if spec.has_head else 0.0)) for spec in self.stages(c)]
+
+    def costs(self, c: Configuration, stash: Sequence[float]) -> CostModel:
+        """The simulator's cost model of `c` (see the module docstring)."""
+        job, cluster = self.job, self.cluster
+        # Some pipeline hop crosses nodes as soon as the job does (Megatron's rank order: tp, dp, then pp).
+        pipeline_link = cluster.link_bytes_per_s(cluster.num_gpus)
+        measured: dict[tuple[Op, int], float] = {}
+        for s, (forward, backward) in enumerate(self.stage_times(c)):
+            host, peer = stash[s] / cluster.host_bytes_per_s, stash[s] / pipeline_link
+            measured.update({(Op.F, s): forward, (Op.B, s): backward, (Op.BI, s): backward, (Op.BW, s): 0.0,
+                             (Op.OFFLOAD, s): host, (Op.RELOAD, s): host, (Op.EVICT, s): peer, (Op.LOAD, s): peer})
+        rows = job.config.seq_length * c.micro_batch_size // (c.tp if c.sequence_parallel else 1)
+        boundary = rows * job.config.hidden_size * job.numerics.activation_bytes / pipeline_link
+        return CostModel(measured=measured, p2p_latency=boundary)
+
+    def offload_time(self, c: Configuration, stash: Sequence[float]) -> float:
+        """The `offload_time` option for `c`: one-way copy over forward time, worst stage, rounded up."""
+        ratio = max(stash[s] / self.cluster.host_bytes_per_s / max(f, 1e-12)
+                    for s, (f, _) in enumerate(self.stage_times(c)))
+        return TRANSFER_GRID_BASE ** math.ceil(math.log(max(ratio, 1e-6), TRANSFER_GRID_BASE))
+
+    def with_planned_options(self, c: Configuration, stash: Sequence[float]) -> Configuration:
+        """`c` with the options the planner derives from the job (option rules: the module docstring),
+        unless `c` gives them."""
+        entry = get_schedule(c.schedule)
+        options = dict(c.options)
+        offloads = "offload_chunks" not in entry.options or options.get("offload_chunks", 0) > 0
+        if "offload_time" in entry.options and offloads and "offload_time" not in options:
+            options["offload_time"] = self.offload_time(c, stash)
+        if "checkpoint_layer_inputs" in entry.options and c.recompute == "none":
+            options["checkpoint_layer_inputs"] = False
+        return dataclasses.replace(c, options=tuple(sorted(options.items())))
+
+    def after_pipeline_s(self, c: Configuration, params: Sequence[int], tied: Sequence[bool]) -> list[float]:
+        """Per rank, seconds after its last action: dp reduction, the tied embedding's sum (where `tied`),
+        and Adam over the `params` it holds."""
+        job, cluster, config = self.job, self.cluster, self.job.config
+        dp_link = cluster.link_bytes_per_s(c.tp * c.dp)
+        pipeline_link = cluster.link_bytes_per_s(cluster.num_gpus)
+        tied_bytes = config.padded_vocab_size(c.tp) // c.tp * config.hidden_size * GRAD_BYTES
+        out = []
+        for n, holds_tied in zip(params, tied):
+            if c.distributed_optimizer:
+                volume = (c.dp - 1) / c.dp * (GRAD_BYTES + job.param_bytes) * n
+            else:
+                volume = 2 * (c.dp - 1) / c.dp * GRAD_BYTES * n
+            seconds = volume / dp_link
+            if holds_tied:
+                seconds += tied_bytes / pipeline_link  # a two-rank ring all-reduce moves the buffer once
+            owned = n / c.dp if c.distributed_optimizer else n
+            seconds += owned * ADAM_BYTES_PER_PARAMETER[job.bf16] / (cluster.hardware.hbm_gbps * 1e9)
+            out.append(seconds)
+        return out
+
+    def _tied_ranks(self, c: Configuration, schedule: Schedule) -> list[bool]:
+        """Which ranks sum the tied embedding's gradient with another rank (the embedding's and the head's)."""
+        if self.job.config.untie_embeddings_and_output_weights:
+            return [False] * c.pp
+        first, last = schedule.location(0)[0], schedule.location(schedule.num_stages - 1)[0]
+        return [first != last and rank in (first, last) for rank in range(c.pp)]
+
+    # Schedules -----------------------------------------------------------------------------------------
+    def schedule(self, c: Configuration, m: int, steps: Optional[int] = None, *, runnable: bool = True) -> Schedule:
+        """`c`'s schedule at `m` microbatches per step (`steps` unrolled when given), cached. `runnable`:
+        from `build_schedule` (communication inserted, validated), as the simulator needs; otherwise the
+        registered builder's compute lists alone, which is all memory and placement need and several
+        times cheaper, so configurations that turn out not to fit never pay for the rest. Raises
+        ScheduleUnavailable."""
+        options = dict(c.options, **({} if steps is None else {"steps": steps}))
+        key = (c.schedule, c.pp, m, c.num_chunks, tuple(sorted(options.items())), runnable)
+        if key not in self._schedules:
+            entry = get_schedule(c.schedule)
+            try:
+                with warnings.catch_warnings():
+                    # The offload pass warns about copies it cannot place; those stashes stay on the device,
+                    # which the simulated memory of the built schedule shows.
+                    warnings.simplefilter("ignore", OffloadWarning)
+                    if not runnable:
+                        sizes = (c.pp, m, c.num_chunks) if entry.supports_virtual else (c.pp, m)
+                        built = entry.builder(*sizes, **options)
+                    elif (c.schedule, c.pp, m, c.num_chunks, key[4], False) in self._schedules:
+                        # The compute lists are built already: finish them as `build_schedule` does.
+                        compute = self.schedule(c, m, steps, runnable=False)
+                        built = insert_communication(dataclasses.replace(compute, name=entry.name))
+                        validate(built)
+                    else:
+                        built = build_schedule(c.schedule, c.pp, m, c.num_chunks, **options)
+                self._schedules[key] = built
+            except Exception as err:  # noqa: BLE001 - a plugin's builder may fail any way; skip, do not abort
+                self._schedules[key] = ScheduleUnavailable(f"{c.schedule}: {type(err).__name__}: {err}")
+        built = self._schedules[key]
+        if isinstance(built, ScheduleUnavailable):
+            raise built
+        return built
+
+    def simulation_sizes(self, c: Configuration) -> list[int]:
+        """Microbatch counts to simulate: m itself, or m1 < m2 for linear extrapolation (module docstring)."""
+        m, p = c.num_microbatches(self.job.global_batch_size), c.pp
+        r = m % p
+        return [m] if m <= 3 * p + r else [2 * p + r, 3 * p + r]
+
+    def _group(self, c: Configuration, m: int, runnable: bool) -> tuple[Schedule, ...]:
+        """The schedule of `c` at m, or for a schedule that unrolls optimizer steps its lists of two and
+        three steps: their difference is one step in the steady state (the module docstring)."""
+        if "steps" in get_schedule(c.schedule).options:
+            return (self.schedule(c, m, 2, runnable=runnable), self.schedule(c, m, 3, runnable=runnable))
+        return (self.schedule(c, m, runnable=runnable),)
+
+    # Evaluation ----------------------------------------------------------------------------------------
+    def bounds(self, c: Configuration) -> tuple[float, float]:
+        """(memory, step time) lower bounds of `c` that need no schedule: the mean rank's state, one stash
+        and the recompute transient; the mean rank's compute plus the least any rank does after it."""
+        job = self.job
+        m = c.num_microbatches(job.global_batch_size)
+        stash, params = self.stage_stash_bytes(c), self.stage_parameters(c)
+        per_param = state_bytes_per_parameter(dp=c.dp, distributed_optimizer=c.distributed_optimizer, bf16=job.bf16)
+        memory = sum(params) / c.pp * per_param + min(stash) + self._transient(c)
+        work = m * sum(f + b for f, b in self.stage_times(c)) / c.pp
+        after = self.after_pipeline_s(c, [c.num_chunks * min(params)], [False])[0]
+        return memory, work + after
+
+    def _transient(self, c: Configuration) -> float:
+        job = self.job
+        return float(transient_activation_bytes(
+            job.config, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
+            attention=job.attention, recompute=c.recompute, numerics=job.numerics))
+
+    def prepare(self, c: Configuration, *, exact: bool = False) -> _Prepared:
+        """Everything about `c` short of timing: its built schedules, state bytes, a tighter step-time
+        bound, and its memory when that does not depend on timing (no stash transfers). `exact` builds
+        m itself rather than the two sizes of the linear extension. Raises ScheduleUnavailable."""
+        job = self.job
+        m = c.num_microbatches(job.global_batch_size)
+        if m < 1 or job.global_batch_size % (c.dp * c.micro_batch_size):
+            raise ValueError(f"--global-batch-size {job.global_batch_size} is not divisible by "
+                             f"--micro-batch-size {c.micro_batch_size} x data-parallel size {c.dp}")
+        stash = self.stage_stash_bytes(c)
+        c = self.with_planned_options(c, stash)
+        groups = [self._group(c, size, runnable=False) for size in ([m] if exact else self.simulation_sizes(c))]
+        versions = max(live_weight_versions(group[-1]) for group in groups)
+        reference = groups[-1][-1]
+        params = self.rank_parameters(c, reference)
+        per_param = state_bytes_per_parameter(dp=c.dp, distributed_optimizer=c.distributed_optimizer, bf16=job.bf16)
+        # Each extra weight version comes with a deferred update, which holds its batch's reduced fp32
+        # gradient (the pending buffer) while the next batch accumulates into the reducer's own.
+        state = tuple(n * (per_param + (versions - 1) * (job.param_bytes + GRAD_BYTES)) for n in params)
+        costs = self.costs(c, stash)
+        after = self.after_pipeline_s(c, params, self._tied_ranks(c, reference))
+        # Each (microbatch, chunk) gets one forward and one backward (B, or BI + BW) per step, so a rank
+        # computes at least m × Σ(F + B) over its chunks before its reduction and optimizer step.
+        work = [m * sum(costs.duration(op, reference.stage_of(rank, chunk))
+                        for op in (Op.F, Op.B) for chunk in range(c.num_chunks)) for rank in range(c.pp)]
+        transfers = any(a.op in TRANSFER_OPS for group in groups for s in group for acts in s.actions for a in acts)
+        prepared = _Prepared(c, m, stash, self._transient(c), versions, groups, params, state, costs, transfers,
+                             after, max(w + a for w, a in zip(work, after)))
+        if not transfers:
+            # Without stash transfers the resident stashes follow list order alone, whatever the timing,
+            # so the memory is known now and a configuration that cannot fit is never simulated.
+            prepared.memory = self._memory(prepared, [
+                _Replay(size, list_order_peaks(group[-1], stash), list_order_peaks(group[-1], [1] * len(stash)))
+                for size, group in zip(prepared.sizes, groups)])
+        return prepared
+
+    def finish(self, prepared: _Prepared) -> Prediction:
+        """Simulate a prepared configuration: step time, bubble, MFU, and the memory of schedules that
+        move stashes. A configuration that does not fit comes back untimed (`step_s` None)."""
+        if prepared.memory is not None and not prepared.memory.fits:
+            return prepared.memory
+        job, cluster, c, m = self.job, self.cluster, prepared.configuration, prepared.m
+        replays = []
+        for size in prepared.sizes:
+            group = self._group(c, size, runnable=True)
+            sims = [self._simulate(s, prepared.costs) for s in group]
+            if prepared.memory is None:
+                stash = resident_peaks(group[-1], sims[-1], prepared.stash)
+                count = [float(n) for n in sims[-1].peak_stash]
+            else:
+                stash, count = list(prepared.memory.stash_bytes), list(prepared.memory.peak_stashes)
+            ends = [[max((end for _, _, end in line), default=0.0) for line in sim.timeline] for sim in sims]
+            if len(sims) == 1:
+                end, busy = ends[0], list(sims[0].busy)
+            else:  # steps unrolled: the third step alone, in the steady state
+                end = [b - a for a, b in zip(*ends)]
+                busy = [b - a for a, b in zip(sims[0].busy, sims[1].busy)]
+            replays.append(_Replay(size, stash, count, end, busy))
+        prediction = prepared.memory or self._memory(prepared, replays)
+        if not prediction.fits:
+            return prediction
+        ends, busy = _extend(replays, m, "end"), _extend(replays, m, "busy")
+        pipeline = max(ends)
+        step = max(end + extra for end, extra in zip(ends, prepared.after))
+        flops = iteration_flops(job.config, job.global_batch_size, tp=c.tp).model
+        return dataclasses.replace(
+            prediction, step_s=step, pipeline_s=pipeline, reduce_s=max(prepared.after),
+            bubble_fraction=max(0.0, sum(pipeline - b for b in busy) / (len(busy) * pipeline)) if pipeline else 0.0,
+            mfu=flops / (step * cluster.num_gpus * cluster.hardware.peak_tflops * 1e12),
+            tokens_per_s=job.global_batch_size * job.config.seq_length / step)
+
+    def evaluate(self, c: Configuration, *, exact: bool = False) -> Prediction:
+        """Memory of `c` and, when it fits, its simulated step time. `exact` simulates m itself instead of
+        extending smaller simulations. Raises ScheduleUnavailable."""
+        return self.finish(self.prepare(c, exact=exact))
+
+    def _memory(self, prepared: _Prepared, replays: list[_Replay]) -> Prediction:
+        c, m = prepared.configuration, prepared.m
+        resident = _extend(replays, m, "stash_bytes", floor=True)
+        counts = _extend(replays, m, "stash_count", floor=True)
+        memory = tuple(prepared.state[r] + resident[r] + prepared.transient for r in range(c.pp))
+        return Prediction(c, m, prepared.versions, prepared.state, tuple(resident), tuple(counts),
+                          prepared.transient, memory, self.cluster.capacity_bytes,
+                          extrapolated=all(r.m != m for r in replays))
+
+    @staticmethod
+    def _simulate(schedule: Schedule, costs: CostModel) -> SimResult:
+        try:
+            return simulate(schedule, costs)
+        except Exception as err:  # noqa: BLE001 - e.g. a plugin's op the simulator does not know
+            raise ScheduleUnavailable(f"{schedule.name}: simulation failed: {type(err).__name__}: {err}") from None
+
+
+def _extend(replays: list[_Replay], m: int, name: str, floor: bool = False) -> list[float]:
+    """Per-rank `name` at m: a replay's own values when one was taken at m, else the line through two
+    replays (m1 < m2) evaluated at m. `floor` keeps a peak from falling below the larger replay's (a peak
+    never shrinks as m grows)."""
+    for replay in replays:
+        if replay.m == m:
+            return list(getattr(replay, name))
+    first, last = getattr(replays[0], name), getattr(replays[-1], name)
+    m1, m2 = replays[0].m, replays[-1].m
+    out = [b + (m - m2) * (b - a) / (m2 - m1) for a, b in zip(first, last)]
+    return [max(x, b) for x, b in zip(out, last)] if floor else out
+
+
+# Memory of a schedule ------------------------------------------------------------------------------------
+
+
+def live_weight_versions(schedule: Schedule) -> int:
+    """Weight copies a rank keeps at once. A version tag (`@v`) is alive on a rank from its first
+    appearance in the rank's list (the STEP@v that creates it, or its first use) to its last use; the most
+    versions alive together on any rank, at least 1, is applied to every rank: a two-version schedule
+    keeps two parameter buffers on every stage (PipeDream-2BW at pp = 1 still updates W(t) while batch t
+    runs on W(t − 1)). A flushed schedule tags nothing and keeps one."""
+    most = 1
+    for acts in schedule.actions:
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for index, a in enumerate(acts):
+            if a.version is not None:
+                first.setdefault(a.version, index)
+                last[a.version] = index
+        # One action carries one version, so no interval starts where another ends: order is unambiguous.
+        edges = sorted([(i, 1) for i in first.values()] + [(i, -1) for i in last.values()], key=lambda e: (e[0], -e[1]))
+        alive = 0
+        for _, delta in edges:
+            alive += delta
+            most = max(most, alive)
+    return most
+
+
+def list_order_peaks(schedule: Schedule, stage_bytes: Sequence[float]) -> list[float]:
+    """Peak stash bytes per rank of a schedule that moves no stashes: walking each rank's list, + a
+    stash at its F, − at its B (or BW). Compute runs in list order on a rank, so this is the simulator's
+    curve under any cost model (`resident_peaks` of any simulation; tested)."""
+    peaks = []
+    for rank, acts in enumerate(schedule.actions):
+        level = peak = 0.0
+        for a in acts:
+            if a.op is Op.F:
+                level += stage_bytes[schedule.stage_of(rank, a.chunk)]
+                peak = max(peak, level)
+            elif a.op is Op.B or a.op is Op.BW:
+                level -= stage_bytes[schedule.stage_of(rank, a.chunk)]
+        peaks.append(peak)
+    return peaks
+
+
+def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[float]) -> list[float]:
+    """Peak device-resident stash bytes per rank: the simulator's stash curve with each (microbatch,
+    chunk) weighted by its stage's bytes.
+
+    The accounting is the simulator's (schedules/simulate.py): + a stash when its F starts, − when its B
+    (or BW) ends, − when an OFFLOAD/EVICT copy completes and + when the RELOAD/LOAD back starts; an EVICT
+    puts the stash on its peer from the copy's start until the LOAD has delivered it back. Events of a
+    rank's own actions at equal times keep list order, as the simulator records them; a peer's events
+    at equal times are taken pessimistically (arrivals first, departures last). With unit bytes this
+    reproduces `SimResult.peak_stash` (tested).
+
+    A rank that hosts a peer's stashes has no action of its own for them: they arrive and leave when the
+    peer's transfers complete (`schedules.peer_store.AcceptorStore`), so on a real machine they can
+    overlap its own stashes differently from the simulated timeline. Such a rank is charged the larger of
+    its simulated peak and (its own peak + its hosted peak), a bound that holds whatever the timing.
+    """
+    events: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.num_ranks)]
+    for rank, line in enumerate(sim.timeline):
+        for index, (action, start, end) in enumerate(line):
+            op = action.op
+            if action.chunk is None or action.microbatch is None:
+                continue
+            size = float(stage_bytes[schedule.stage_of(rank, action.chunk)])
+            if op is Op.F:
+                events[rank].append((start, index, size))
+            elif op in (Op.B, Op.BW):
+                events[rank].append((end, index, -size))
+            elif op in (Op.OFFLOAD, Op.EVICT):
+                events[rank].append((end, index, -size))
+                if op is Op.EVICT:
+                    events[action.peer].append((start, -math.inf, size))
+            elif op in (Op.RELOAD, Op.LOAD):
+                events[rank].append((start, index, size))
+                if op is Op.LOAD:
+                    events[action.peer].append((end, math.inf, -size))
+    def peak_of(rank_events) -> float:
+        level = peak = 0.0
+        for _, _, delta in sorted(rank_events):
+            level += delta
+            peak = max(peak, level)
+        return peak
+
+    peaks = []
+    for rank_events in events:
+        peak = peak_of(rank_events)
+        hosted = [e for e in rank_events if math.isinf(e[1])]
+        if hosted:
+            peak = max(peak, peak_of([e for e in rank_events if not math.isinf(e[1])]) + peak_of(hosted))
+        peaks.append(peak)
+    return peaks
