@@ -286,4 +286,4 @@ register_schedule("zb-v", _v_shape(zb_v, "zb-v"), supports_virtual=True, chunks_
                               "backward; 1F1B's peak memory (2p chunk stashes), idle (p-1) T_F per rank")
 register_schedule("v-half", _v_shape(v_half, "v-half"), supports_virtual=True, chunks_per_rank=CHUNKS_PER_RANK,
                   description="V-shape building block repeated per microbatch: about half of 1F1B's peak memory, "
-                              "bubble between ZB-V's and 1F1B's")
+                              "bubble between ZB-V's and 1F1B's; assumes equal F, BI and BW times")

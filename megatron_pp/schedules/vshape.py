@@ -18,8 +18,8 @@ units, T_F, T_B (= BI), T_W (= BW) of one chunk.
   gradients take to come back. Every rank peaks at 2p chunk stashes (1F1B's p full ones) once m ≥ 2p−1.
   Simulated makespan with T_F = T_B ≥ T_W and m ≥ 2p−1: exactly 2m(T_F+T_B+T_W) + (p−1)·T_F, i.e. every
   rank idles (p−1)·T_F, the time the last rank waits for its first input (the paper's "zero bubble" counts
-  a rank's time from its first action; the simulator counts from the step's start). Otherwise the idle
-  time per rank stays between (p−1)·T_F and (p−1)·(T_F + max(T_F, T_B, T_W)) (tested).
+  a rank's time from its first action; the simulator counts from the step's start). At other costs
+  (m ≥ 2p−1) the idle time per rank stays between (p−1)·T_F and (p−1)·(T_F + max(T_F, T_B, T_W)) (tested).
 * **`v-half`** (ours, after 2405.15362's V-shape building blocks). One building block per microbatch,
   repeated every I = 6 slots (F, BI, BW of two chunks per rank, one slot each at T_F = T_B = T_W):
   forwards run down the V one slot apart, the input gradients come back up one slot apart, each BW takes
@@ -30,7 +30,8 @@ units, T_F, T_B (= BI), T_W (= BW) of one chunk.
   bubble is the block's ramp: idle time per rank at T_F = T_B = T_W = 1 is 11 at p = 4 and 27 at p = 8
   against 1F1B's 6(p−1) = 18 and 42, the same for every m ≥ p (tested). The paper's V-Half gets about
   half of 1F1B's bubble (≈ p/(2m) of the step) by spending its memory budget on a squeezed warm-up and
-  cool-down; this block does not squeeze (docs/schedules.md says so).
+  cool-down; this block does not squeeze (docs/schedules.md says so). The order is derived at equal
+  times: with unequal T_F, T_B, T_W its idle time grows with m (tested), so it is for T_F ≈ T_B ≈ T_W.
 
 p=4, m=8 (`zb-v`):
 
