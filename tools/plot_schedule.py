@@ -5,6 +5,7 @@
     python tools/plot_schedule.py --compare interleaved-1f1b,gis,gis-h,po-h,po-f --pp 4 --microbatches 8 \\
         --chunks 4 --out docs/img/pipeoffload_memory.png
     python tools/plot_schedule.py --compare 1f1b,bpipe --pp 8 --microbatches 16 --out docs/img/bpipe_memory.png
+    python tools/plot_schedule.py --compare 1f1b,zb-v,v-half --pp 4 --microbatches 8 --out docs/img/vshape_memory.png
 
 The schedule is built exactly as training builds it (generator, passes, communication, validation), then
 timed by the simulator. The top panel has one row per rank with a box per compute action, coloured by
@@ -202,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             opts = dict(options)
             if args.offload_time is not None and "offload_time" in get_schedule(name).options:
                 opts.setdefault("offload_time", args.offload_time)  # place the copies as they are timed
-            schedule = build_schedule(name, args.pp, args.microbatches, args.chunks or 1, **opts)
+            chunks = args.chunks or get_schedule(name).chunks_per_rank or 1  # the V shapes always take 2
+            schedule = build_schedule(name, args.pp, args.microbatches, chunks, **opts)
             runs.append((schedule, simulate(schedule, costs)))
         executed = None
         if args.trace_file is not None:

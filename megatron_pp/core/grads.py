@@ -161,7 +161,20 @@ def finalize_gradients(modules: Sequence[nn.Module], state: ParallelState) -> No
     all_reduce_coalesced(_grads(params), state.dp_group)
     all_reduce_coalesced(_grads(p for p in params if getattr(p, "sequence_parallel", False)), state.tp_group)
     if len(state.embedding_ranks) > 1 and state.rank in state.embedding_ranks:
-        all_reduce_coalesced(_grads(p for p in params if getattr(p, "shared_embedding", False)), state.embedding_group)
+        all_reduce_coalesced(_grads(cross_rank_tied(modules)), state.embedding_group)
+
+
+def cross_rank_tied(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Tied-embedding parameters whose other copy lives on another pipeline rank: those held by one local
+    chunk only. When one rank holds both ends of the pipeline (the V placement puts stages 0 and 2p-1 on
+    rank 0), both chunks share the one parameter and the embedding group has nothing to sum; its other rank
+    (the last pipeline rank) holds no copy either, so neither side joins the collective."""
+    holders: dict[int, int] = {}
+    for module in modules:
+        for p in set(module.parameters()):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return [p for p in unique_parameters(modules)
+            if p.requires_grad and getattr(p, "shared_embedding", False) and holders[id(p)] == 1]
 
 
 def global_grad_norm(modules: Sequence[nn.Module], state: ParallelState) -> float:
@@ -261,8 +274,8 @@ class GradientReducer:
         self._holders = holders
         # A tied embedding whose other copy lives on another pipeline rank needs the embedding-group sum;
         # one held by two local chunks (both ends of the pipeline on this rank) is already a single tensor.
-        cross_rank = [p for _, p in order if getattr(p, "shared_embedding", False) and holders[id(p)] == 1]
-        self._embedding_params = cross_rank if len(state.embedding_ranks) > 1 else []
+        cross_rank = {id(p) for p in cross_rank_tied(chunks)}
+        self._embedding_params = [p for _, p in order if id(p) in cross_rank] if len(state.embedding_ranks) > 1 else []
         trailing_ids = {id(p) for p in self._embedding_params} | {id(p) for _, p in order if holders[id(p)] > 1}
         self.buckets = self._make_buckets(order, trailing_ids, bucket_bytes)
         self._views: dict[int, torch.Tensor] = {}

@@ -3,8 +3,10 @@
 `split_layers` cuts `num_layers` into `pp * vp` global stages, in global stage order: stage 0 holds the
 embedding, the last stage the final norm, output layer and loss, and a microbatch's forward visits the
 stages in order. Which rank runs which global stage is the schedule's business; only the
-`--decoder-first/last-pipeline-num-layers` flags assume the usual interleaved placement, where pipeline
-rank r runs global stages r, r + pp, r + 2*pp, ... (its chunks 0, 1, 2, ...).
+`--decoder-first/last-pipeline-num-layers` flags need the placement: they count the layers of the rank
+that holds the first (last) stage, by default the interleaved placement, where pipeline rank r runs global
+stages r, r + pp, r + 2*pp, ... (its chunks 0, 1, 2, ...). Under the V placement (schedules/vshape.py)
+rank 0 holds both ends, so only one of the two flags can be given.
 
 Worked example: 10 layers, pp=2, vp=2, `last_stage_layers=2` (the last rank also computes the loss).
 The last rank (1) owns global stages 1 and 3 and gets 2 layers, one per chunk; the 8 remaining layers
@@ -26,7 +28,7 @@ silently dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_pp.core.parallel_state import LayoutError
 
@@ -64,8 +66,13 @@ def split_layers(
     last_stage_layers: Optional[int] = None,
     account_for_embedding: bool = False,
     account_for_loss: bool = False,
+    placement: Optional[Sequence[tuple[int, int]]] = None,
 ) -> list[StageSpec]:
-    """Split `num_layers` over `pp` ranks x `vp` chunks; returns the `pp * vp` stages in global order."""
+    """Split `num_layers` over `pp` ranks x `vp` chunks; returns the `pp * vp` stages in global order.
+
+    `placement[g]` is the (rank, chunk) of global stage g (default: the interleaved placement, g on rank
+    g % pp). It matters only for the uneven flags, which count the layers of the rank holding the first
+    stage and of the rank holding the last one, spread evenly over that rank's chunks."""
     if pp < 1 or vp < 1:
         raise LayoutError(
             f"--pipeline-model-parallel-size {pp} and --num-virtual-stages-per-pipeline-rank {vp} must be >= 1"
@@ -79,7 +86,8 @@ def split_layers(
         )
     stages = pp * vp
     if uneven:
-        counts = _uneven_counts(num_layers, pp, vp, first_stage_layers, last_stage_layers)
+        ranks = [g % pp for g in range(stages)] if placement is None else [rank for rank, _ in placement]
+        counts = _uneven_counts(num_layers, pp, vp, first_stage_layers, last_stage_layers, ranks)
     else:
         counts = _even_counts(num_layers, stages, account_for_embedding, account_for_loss)
 
@@ -120,12 +128,14 @@ def _even_counts(num_layers: int, stages: int, with_embedding: bool, with_loss: 
 
 
 def _uneven_counts(
-    num_layers: int, pp: int, vp: int, first_layers: Optional[int], last_layers: Optional[int]
+    num_layers: int, pp: int, vp: int, first_layers: Optional[int], last_layers: Optional[int], ranks: list[int]
 ) -> list[int]:
-    if pp == 1 and first_layers is not None and last_layers is not None:
-        raise LayoutError(f"{FIRST_FLAG} and {LAST_FLAG} name the same rank when --pipeline-model-parallel-size is 1")
+    if ranks[0] == ranks[-1] and first_layers is not None and last_layers is not None:
+        where = ("--pipeline-model-parallel-size is 1" if pp == 1 else
+                 f"the schedule places the first and the last stage on rank {ranks[0]} (V placement)")
+        raise LayoutError(f"{FIRST_FLAG} and {LAST_FLAG} name the same rank when {where}; give one of them")
     fixed: dict[int, int] = {}  # pipeline rank -> its layers over all its chunks
-    for rank, value, name in ((0, first_layers, FIRST_FLAG), (pp - 1, last_layers, LAST_FLAG)):
+    for rank, value, name in ((ranks[0], first_layers, FIRST_FLAG), (ranks[-1], last_layers, LAST_FLAG)):
         if value is None:
             continue
         if value < 0 or value % vp != 0:
@@ -141,5 +151,4 @@ def _uneven_counts(
             f"{remaining} layers, which do not split evenly over the other {other_stages} pipeline stages"
         )
     per_other = remaining // other_stages if other_stages else 0
-    # Global stage g runs on pipeline rank g % pp (interleaved placement).
-    return [fixed[g % pp] // vp if g % pp in fixed else per_other for g in range(pp * vp)]
+    return [fixed[ranks[g]] // vp if ranks[g] in fixed else per_other for g in range(pp * vp)]

@@ -144,7 +144,9 @@ class Planner(Evaluator):
     def variants(self, entry: ScheduleEntry, pp: int) -> list[tuple[int, tuple[tuple[str, object], ...]]]:
         """(chunks per rank, options) of `entry` to try at pipeline size `pp` (option rules: the module docstring)."""
         per_rank = self.job.config.num_layers // pp
-        if entry.supports_virtual:
+        if entry.chunks_per_rank is not None:  # the V shapes: their count or nothing
+            chunks = [entry.chunks_per_rank] if per_rank % entry.chunks_per_rank == 0 else []
+        elif entry.supports_virtual:
             limit = per_rank if self.max_virtual_stages is None else min(per_rank, self.max_virtual_stages)
             chunks = [v for v in range(2, limit + 1) if per_rank % v == 0]
         else:

@@ -31,6 +31,7 @@ from megatron_pp.schedules.offload import add_offload
 from megatron_pp.schedules.twobw import two_bw
 from megatron_pp.schedules.validate import validate
 from megatron_pp.schedules.zero_bubble import zb_h1, zb_h2
+from megatron_pp.schedules.vshape import CHUNKS_PER_RANK, check_chunks, v_half, zb_v
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ScheduleEntry:
     supports_virtual: bool
     """Whether it accepts num_chunks > 1 (from --num-layers-per-virtual-pipeline-stage)."""
     description: str
+    chunks_per_rank: int | None = None
+    """Chunks per rank the schedule always uses (the V's 2), its default when no virtual-stage flag is given;
+    None: 1, or what --num-layers-per-virtual-pipeline-stage says where supports_virtual."""
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -68,14 +72,14 @@ _LOOKUP: dict[str, str] = {}  # name or alias -> canonical name
 
 
 def register_schedule(name: str, builder: Callable[..., Schedule], *, aliases: tuple[str, ...] = (),
-                      supports_virtual: bool, description: str) -> None:
+                      supports_virtual: bool, description: str, chunks_per_rank: int | None = None) -> None:
     """Make `name` (and `aliases`) available to `build_schedule` and `--pipeline-schedule`."""
     for key in (name, *aliases):
         if not isinstance(key, str) or not key or key != key.strip():
             raise ValueError(f"schedule names must be non-empty strings without surrounding spaces, got {key!r}")
         if key in _LOOKUP:
             raise ValueError(f"schedule name {key!r} is already registered (for {_LOOKUP[key]!r})")
-    _ENTRIES[name] = ScheduleEntry(name, builder, tuple(aliases), supports_virtual, description)
+    _ENTRIES[name] = ScheduleEntry(name, builder, tuple(aliases), supports_virtual, description, chunks_per_rank)
     for key in (name, *aliases):
         _LOOKUP[key] = name
 
@@ -165,7 +169,8 @@ def build_at_nominal_size(name: str, num_ranks: int, **options: object) -> Sched
     where it takes virtual stages): for checks that read what its lists contain (`runtime.runtime_needs`),
     which does not depend on their length. Raises what `build_schedule` raises."""
     entry = get_schedule(name)
-    return build_schedule(entry.name, num_ranks, 2 * num_ranks, 2 if entry.supports_virtual else 1, **options)
+    chunks = entry.chunks_per_rank or (2 if entry.supports_virtual else 1)
+    return build_schedule(entry.name, num_ranks, 2 * num_ranks, chunks, **options)
 
 
 def _interleaved(num_ranks: int, num_microbatches: int, num_chunks: int,
@@ -277,3 +282,27 @@ register_schedule("zb-h1", _zero_bubble(zb_h1), supports_virtual=False,
 register_schedule("zb-h2", _zero_bubble(zb_h2), supports_virtual=False,
                   description="zero-bubble ZB-H2 (longer warm-up, BW filling the tail): no gap between a rank's "
                               "first F and last BW for m >= 2p-1; every rank holds 2p-1 stashes")
+
+
+def _v_shape(generator: Callable[[int, int], Schedule], name: str) -> Callable[..., Schedule]:
+    """Builder of a V-shape schedule (schedules/vshape.py): two chunks per rank, host offload from chunk 0 up
+    (the V's first chunk lives longest), BPipe refused."""
+    def build(num_ranks: int, num_microbatches: int, num_chunks: int, offload_chunks: int | None = None,
+              offload_fraction: float | None = None, offload_time: float | None = None,
+              bpipe_max_resident: int | None = None) -> Schedule:
+        check_chunks(name, num_chunks)
+        if bpipe_max_resident is not None:
+            raise ValueError(f"--bpipe-max-resident does not apply to --pipeline-schedule {name}: the V placement "
+                             "already gives every rank the same peak (stages r and 2p-1-r, BPipe's pair, share "
+                             "rank r), so there is nothing to park on a partner; use --offload-chunks instead")
+        return add_offload(generator(num_ranks, num_microbatches), offload_chunks, offload_fraction=offload_fraction,
+                           offload_time=offload_time)
+    return build
+
+
+register_schedule("zb-v", _v_shape(zb_v, "zb-v"), supports_virtual=True, chunks_per_rank=CHUNKS_PER_RANK,
+                  description="ZB-V: two chunks per rank in V placement (stages r and 2p-1-r on rank r), split "
+                              "backward; 1F1B's peak memory (2p chunk stashes), idle (p-1) T_F per rank")
+register_schedule("v-half", _v_shape(v_half, "v-half"), supports_virtual=True, chunks_per_rank=CHUNKS_PER_RANK,
+                  description="V-shape building block repeated per microbatch: about half of 1F1B's peak memory, "
+                              "bubble between ZB-V's and 1F1B's; assumes equal F, BI and BW times")

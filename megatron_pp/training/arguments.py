@@ -396,7 +396,7 @@ def num_chunks(args: argparse.Namespace, config: TransformerConfig) -> int:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {direct}")
         return direct
     if per_stage is None:
-        return 1
+        return _fixed_chunks(args) or 1
     slots = config.num_layers + int(args.account_for_embedding_in_pipeline_split) + int(
         args.account_for_loss_in_pipeline_split
     )
@@ -407,6 +407,19 @@ def num_chunks(args: argparse.Namespace, config: TransformerConfig) -> int:
             f"--pipeline-model-parallel-size {pp} ranks evenly"
         )
     return slots // (pp * per_stage)
+
+
+def _fixed_chunks(args: argparse.Namespace) -> Optional[int]:
+    """Chunks per rank a registered schedule always uses (the V shapes' 2), so that they need no flag."""
+    from megatron_pp.schedules.registry import get_schedule
+
+    name = getattr(args, "pipeline_schedule", None)
+    if getattr(args, "pipeline_schedule_file", None) or name is None:
+        return None
+    try:
+        return get_schedule(name).chunks_per_rank
+    except ValueError:  # an unknown name is reported by the schedule checks
+        return None
 
 
 # Validation -------------------------------------------------------------------------------------------
@@ -759,10 +772,24 @@ def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[Transfor
                 last_stage_layers=args.decoder_last_pipeline_num_layers,
                 account_for_embedding=args.account_for_embedding_in_pipeline_split,
                 account_for_loss=args.account_for_loss_in_pipeline_split,
+                placement=_fixed_placement(args),
             )
     except ValueError as exc:
         errors.append(str(exc))
     return errors, config
+
+
+def _fixed_placement(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
+    """The stage placement of a schedule with a fixed chunk count (the V shapes), for the layer split; None
+    (the interleaved placement) for the others, and when the schedule cannot be built (reported elsewhere)."""
+    if _fixed_chunks(args) is None or args.pipeline_model_parallel_size < 1:
+        return None
+    from megatron_pp.schedules.registry import build_at_nominal_size
+
+    try:
+        return build_at_nominal_size(args.pipeline_schedule, args.pipeline_model_parallel_size).placement
+    except ValueError:
+        return None
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> list[str]:

@@ -62,6 +62,7 @@ def build_pipeline(
         config.num_layers, state.pp_size, schedule.num_chunks,
         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
         account_for_embedding=account_for_embedding, account_for_loss=account_for_loss,
+        placement=schedule.placement,
     )
     recompute = schedule_recompute(schedule, recompute)  # None: the schedule's own memory mode
     chunks = build_model_chunks(config, layout, schedule, state, seed=seed, sequence_parallel=sequence_parallel,

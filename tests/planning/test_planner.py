@@ -72,7 +72,9 @@ def test_extension_in_m_matches_exact_simulation():
     checked = 0
     for entry in registered_schedules():
         for pp, dp, b in ((2, 2, 1), (4, 1, 2)):
-            v = (2 if pp == 2 else 3) if entry.supports_virtual else 1
+            v = entry.chunks_per_rank or ((2 if pp == 2 else 3) if entry.supports_virtual else 1)
+            if job.config.num_layers % (pp * v):  # the V shapes' 2 chunks: 12 layers do not split into 8 stages
+                continue
             c = Configuration(1, pp, dp, b, "none", entry.name, v, tuple(_options(entry, v).items()), dp > 1)
             extended, exact = planner.evaluate(c), planner.evaluate(c, exact=True)
             assert extended.extrapolated and not exact.extrapolated

@@ -439,3 +439,33 @@ def test_zero_bubble_trains_like_one_process_across_a_resume(tmp_path, name, ext
     first = run_distributed(4, _train, argv + ["--save", ck, "--exit-interval", "2"], BUCKET_BYTES)[0]
     resumed = run_distributed(4, _train, argv + ["--load", ck], BUCKET_BYTES)[0]
     assert first + resumed == straight
+
+
+# V placement (schedules/vshape.py): stage r and 2p-1-r on rank r, so rank 0 holds the embedding and the head
+# (gpt-tiny ties them: one parameter shared by rank 0's two chunks) and stage p-1 hands over to stage p in
+# memory. One layer per stage. (preset, layers, tp, pp, schedule, m, v, options), grouped by world size.
+VSHAPE_WORLD2 = [
+    ("gpt-tiny", 4, 1, 2, "zb-v", 4, 2, {}),
+    ("llama-tiny", 4, 1, 2, "v-half", 3, 2, {}),
+]
+VSHAPE_WORLD4 = [
+    ("gpt-tiny", 8, 1, 4, "zb-v", 8, 2, {}),
+    ("llama-tiny", 8, 1, 4, "v-half", 8, 2, {}),
+    ("gpt-tiny", 8, 1, 4, "zb-v", 8, 2, {"offload_chunks": 1}),
+    ("gpt-tiny", 4, 2, 2, "zb-v", 4, 2, {}),  # tp = 2
+    ("llama-tiny", 4, 2, 2, "v-half", 4, 2, {}),  # tp = 2
+    ("gpt-tiny", 4, 1, 2, "v-half", 4, 2, {}),  # dp = 2
+    ("llama-tiny", 4, 1, 2, "zb-v", 4, 2, {}),  # dp = 2
+]
+
+
+@pytest.mark.parametrize("case", VSHAPE_WORLD2, ids=_pipeoffload_id)
+def test_exact_vshape_world2(case):
+    _run_pipeoffload(2, case)
+
+
+@pytest.mark.parametrize("case", VSHAPE_WORLD4, ids=_pipeoffload_id)
+def test_exact_vshape_world4(case):
+    results = _run_pipeoffload(4, case)
+    if case[7].get("offload_chunks"):  # the V's first chunk really went to host memory
+        assert max(r["peak_host_bytes"] for r in results if r["pp_rank"] == 0) > 0

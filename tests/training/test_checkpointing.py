@@ -46,6 +46,8 @@ LAYOUTS = {
                       "--pipeline-schedule", "1f1b"], 2, 2),
     "interleaved-pp2-dp2": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                              "--pipeline-schedule", "interleaved-1f1b"], 1, 2),
+    # V placement: rank 0 saves and loads the first and the last stage, whose tied embedding is one parameter.
+    "zb-v-pp2-dp2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"], 1, 2),
 }
 
 

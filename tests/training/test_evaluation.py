@@ -44,7 +44,8 @@ def _csv(tmp_path) -> list[str]:
     ["--pipeline-schedule", "looped-bfs", "--num-virtual-stages-per-pipeline-rank", "2"],
     ["--pipeline-schedule", "2bw"],
     "zbv-file",
-], ids=["interleaved", "po-h", "looped-bfs", "2bw", "torch-zbv-file"])
+    ["--pipeline-schedule", "zb-v"],  # V placement: rank 0 holds the head, the last rank does not
+], ids=["interleaved", "po-h", "looped-bfs", "2bw", "torch-zbv-file", "zb-v"])
 def test_every_schedule_evaluates_like_one_process(tmp_path, reference, layout):
     layout = _csv(tmp_path) if layout == "zbv-file" else layout
     rows = run_distributed(2, _rows, COMMON + ["--pipeline-model-parallel-size", "2", *layout])[0]
