@@ -188,3 +188,12 @@ def test_sample_index_refuses_a_split_without_tokens_and_takes_a_one_token_one()
     # One token per epoch: 3 samples of 2 tokens (+1 for the last label) need 7 epochs of the document.
     index = build_sample_index(np.array([1]), num_samples=3, seq_length=2, seed=0)
     assert len(index["document_index"]) == 7 and len(index["sample_index"]) == 3 + 1
+
+
+def test_one_sample_is_a_dataset_and_zero_is_refused(corpus, tmp_path):
+    # The smallest request (one sample: a single eval batch, a one-iteration run) builds; zero names itself.
+    indexed, documents = corpus
+    one = _dataset(indexed, tmp_path, 1)
+    assert len(one) == 1 and one.sample(0).shape == (SEQ + 1,)
+    with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
+        _dataset(indexed, tmp_path, 0)
