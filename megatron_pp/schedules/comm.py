@@ -1,7 +1,8 @@
 """Pipeline communication: which messages a schedule needs, how they pair up, and the pass that inserts them.
 
 A generator emits compute only. `insert_communication` adds a SEND after every compute whose result goes
-to another rank and a RECV before every compute whose input comes from another rank, then moves receives
+to another rank and a RECV before every compute whose input comes from another rank (and, for BPipe's
+EVICT/LOAD, the partner's ACCEPT/RETURN: `bpipe.add_hosting`), then moves receives
 earlier where needed: (1) so that every directed link (rank a -> rank b) receives in the order it sends,
 since messages on a link match in posting order whatever their kind, and (2) so that the lists cannot
 deadlock under blocking (rendezvous) semantics with the batching rule of `ir` (consecutive communication
@@ -17,12 +18,15 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule, ScheduleError
 
 Message = tuple[str, int, int]
 """What travels on a link: ("F" activation | "B" gradient, microbatch, global stage that produced it)."""
-Link = tuple[int, int]
-"""A directed pipeline link (sending rank, receiving rank)."""
+Link = tuple
+"""A directed pipeline link (sending rank, receiving rank); a BPipe parking link also names its group
+(sending rank, receiving rank, "EVICT" or "LOAD")."""
+PARKING_SENDS = frozenset({Op.EVICT, Op.RETURN})
+"""The sending side of each parking link (EVICT -> ACCEPT, RETURN -> LOAD)."""
 HOIST_TO_SEND_ONLY_BATCHES = "hoist_to_send_only_batches"
 """Schedule option: when a receive must be hoisted, prefer a peer blocked in a batch without receives
 (see `RendezvousReplay.hoist_receive`)."""
@@ -52,6 +56,9 @@ def message_of(schedule: Schedule, rank: int, action: Action) -> Message:
 
 
 def link_of(rank: int, action: Action) -> Link:
+    if action.op in PARTNER_OP:  # BPipe parking: its own group per pair and direction
+        kind = "EVICT" if action.op in (Op.EVICT, Op.ACCEPT) else "LOAD"
+        return (rank, action.peer, kind) if action.op in PARKING_SENDS else (action.peer, rank, kind)
     return (rank, action.peer) if action.op in SEND_OPS else (action.peer, rank)
 
 
@@ -59,16 +66,19 @@ Slot = tuple[Link, bool, int]
 """Where a communication action sits on its link: (link, is it the sending side, position on that side)."""
 
 
-def link_slots(actions: list[list[Action]]) -> list[list[Slot | None]]:
-    """Per rank and action, its `Slot` (None for non-communication). The k-th send and the k-th receive on
-    a link are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
+def link_slots(actions: list[list[Action]], parking: bool | frozenset[int] = False) -> list[list[Slot | None]]:
+    """Per rank and action, its `Slot` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
+    LOAD and RETURN get slots on their parking links too: on every rank, or on the ranks in the set given).
+    The k-th send and the k-th receive on a link are partners: NCCL and gloo match point-to-point messages
+    between two ranks in posting order."""
     slots: list[list[Slot | None]] = []
     for rank, acts in enumerate(actions):
         seen: dict[tuple[Link, bool], int] = defaultdict(int)
         row: list[Slot | None] = []
+        parks = parking is True or (parking is not False and rank in parking)
         for a in acts:
-            if a.op in COMM_OPS:
-                key = (link_of(rank, a), a.op in SEND_OPS)
+            if a.op in COMM_OPS or (parks and a.op in PARTNER_OP):
+                key = (link_of(rank, a), a.op in SEND_OPS or a.op in PARKING_SENDS)
                 row.append((*key, seen[key]))
                 seen[key] += 1
             else:
@@ -94,12 +104,17 @@ class RendezvousReplay:
     """Replays every rank's list under blocking semantics: a posted send or receive is matched once the
     peer has posted its partner (the same position on the same directed link), and a rank leaves a batch
     only when all its members are matched. Compute never blocks here: its inputs arrived through receives
-    that completed before it. The lists must already agree on every link (see `validate`)."""
+    that completed before it. The lists must already agree on every link (see `validate`).
 
-    def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False):
+    With `parking`, BPipe's EVICT/ACCEPT and LOAD/RETURN take part too, each a batch of its own that
+    blocks until its partner is posted: the strictest reading of NCCL, where every operation may hold its
+    rank's device queue until the peer joins (one hardware queue, `CUDA_DEVICE_MAX_CONNECTIONS=1`)."""
+
+    def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False,
+                 parking: bool | frozenset[int] = False):
         self.actions = actions
         self.prefer_send_only_batches = prefer_send_only_batches
-        self.slots = link_slots(actions)
+        self.slots = link_slots(actions, parking)
         self.pos = [0] * len(actions)
         self.batch_end: list[int | None] = [None] * len(actions)
         self.posted: dict[tuple[Link, bool], int] = defaultdict(int)
@@ -108,25 +123,29 @@ class RendezvousReplay:
         link, is_send, k = slot
         return self.posted[link, not is_send] > k
 
-    def run(self) -> list[Blocked]:
-        """Advance every rank as far as possible; return the blocked ranks (empty when all finished)."""
+    def run(self, limits: dict[int, int] | None = None) -> list[Blocked]:
+        """Advance every rank as far as possible; return the blocked ranks (empty when all finished).
+        `limits` maps a rank to the index it stops before (it is then neither finished nor reported); the
+        replay can be resumed with other limits."""
         progress = True
         while progress:
             progress = False
             for rank, acts in enumerate(self.actions):
                 slots = self.slots[rank]
-                while self.pos[rank] < len(acts):
+                stop = len(acts) if limits is None or rank not in limits else min(len(acts), limits[rank])
+                while self.pos[rank] < stop:
                     i = self.pos[rank]
                     if slots[i] is None:
                         self.pos[rank] = i + 1
                         progress = True
                         continue
                     if self.batch_end[rank] is None:
-                        j = i
-                        while j < len(acts) and slots[j] is not None:
-                            link, is_send, _ = slots[j]
+                        j = i + 1
+                        if acts[i].op in COMM_OPS:  # a parking action is a batch of its own
+                            while j < len(acts) and acts[j].op in COMM_OPS:
+                                j += 1
+                        for link, is_send, _ in slots[i:j]:
                             self.posted[link, is_send] += 1
-                            j += 1
                         self.batch_end[rank] = j
                         progress = True
                     end = self.batch_end[rank]
@@ -134,7 +153,8 @@ class RendezvousReplay:
                         break
                     self.pos[rank], self.batch_end[rank] = end, None
                     progress = True
-        return [self._blocked(rank) for rank, acts in enumerate(self.actions) if self.pos[rank] < len(acts)]
+        return [self._blocked(rank) for rank, acts in enumerate(self.actions)
+                if self.pos[rank] < len(acts) and (limits is None or self.pos[rank] < limits.get(rank, len(acts)))]
 
     def _blocked(self, rank: int) -> Blocked:
         i, end = self.pos[rank], self.batch_end[rank]
@@ -190,7 +210,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
     p = schedule.num_ranks
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
-            if a.op in COMM_OPS:
+            if a.op in COMM_OPS or a.op in HOSTING_OPS:
                 raise ScheduleError(f"rank {rank}, action {i} ({a}): schedule {schedule.name!r} already has "
                                     "communication; insert_communication expects compute-only lists")
     sends_after: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
@@ -249,7 +269,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
         for i, a in enumerate(acts):
             # Stash transfers issued after a compute go before its sends, so that they never split the
             # batch of those sends with the next compute's receives (the pairing that avoids deadlocks).
-            if a.op not in TRANSFER_OPS:
+            if a.op not in SIDE_OPS:
                 out += sends
                 sends = []
             out += recvs_before[rank].get(i, [])
@@ -262,4 +282,9 @@ def insert_communication(schedule: Schedule) -> Schedule:
         if not replay.hoist_receive(blocked):
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
                                 + "; ".join(b.describe() for b in blocked))
-    return dataclasses.replace(schedule, actions=lists)
+    with_comm = dataclasses.replace(schedule, actions=lists)
+    if any(a.op in PARTNER_OP for acts in lists for a in acts):
+        from megatron_pp.schedules.bpipe import add_hosting  # the acceptor's side of BPipe's parking
+
+        with_comm = add_hosting(with_comm)
+    return with_comm

@@ -6,7 +6,8 @@ plugin or read from a file gets the same machinery as a built-in one:
 | fact in the lists                      | runtime part                                                  |
 | -------------------------------------- | ------------------------------------------------------------- |
 | OFFLOAD / RELOAD                       | host store (`offload_store.OffloadStore`)                     |
-| EVICT / LOAD                           | peer store and acceptor (`peer_store`, BPipe)                 |
+| EVICT / LOAD                           | peer store (`peer_store.PeerStore`, BPipe's evictor)          |
+| ACCEPT / RETURN                        | acceptor store (`peer_store.AcceptorStore`, BPipe's partner)  |
 | a weight version on any action, STEP   | two weight versions and the deferred optimizer step (2BW)     |
 | BI / BW (a split backward)             | the weight-gradient store (`layers.WeightGradStore`): BI      |
 |                                        | computes input gradients, BW the held weight GEMMs           |
@@ -24,8 +25,11 @@ from megatron_pp.schedules.ir import Op, Schedule
 class RuntimeNeeds:
     host_offload: bool
     peer_parking: bool
+    """This schedule parks stashes on peers (some rank evicts or hosts)."""
     weight_versions: bool
     split_backward: bool
+    hosting_ranks: tuple[int, ...] = ()
+    """The ranks whose lists host a partner's stashes (ACCEPT/RETURN): they need an AcceptorStore."""
 
 
 def runtime_needs(schedule: Schedule) -> RuntimeNeeds:
@@ -33,7 +37,8 @@ def runtime_needs(schedule: Schedule) -> RuntimeNeeds:
     versioned = any(a.version is not None for acts in schedule.actions for a in acts)
     return RuntimeNeeds(
         host_offload=bool(ops & {Op.OFFLOAD, Op.RELOAD}),
-        peer_parking=bool(ops & {Op.EVICT, Op.LOAD}),
+        peer_parking=bool(ops & {Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN}),
+        hosting_ranks=tuple(r for r, acts in enumerate(schedule.actions) if any(a.op is Op.ACCEPT for a in acts)),
         weight_versions=versioned or Op.STEP in ops,
         split_backward=bool(ops & {Op.BI, Op.BW}),
     )
