@@ -158,15 +158,19 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
     post in one order.
     """
     pairs = sorted({(rank, a.peer) for rank, acts in enumerate(schedule.actions) for a in acts if a.op in PARTNER_OP})
-    if not pairs:
-        return schedule
+    ranks = [r for pair in pairs for r in pair]
+    if not pairs or len(set(ranks)) != len(ranks):
+        return schedule  # nothing to host, or pairs that overlap, which `validate` reports
     base = [list(acts) for acts in schedule.actions]
     ready = [list(acts) for acts in base]
     hosting: dict[int, list[Action]] = {}
     for x, y in pairs:
         hosting[y] = [Action(PARTNER_OP[a.op], a.microbatch, a.chunk, x) for a in base[x] if a.op in PARTNER_OP]
         ready[y] = hosting[y] + ready[y]
-    timed = simulate(dataclasses.replace(schedule, actions=ready), costs)
+    try:
+        timed = simulate(dataclasses.replace(schedule, actions=ready), costs)
+    except ScheduleError:
+        return schedule  # lists that break a rule of their own, which `validate` reports precisely
     slots: dict[int, list[int]] = {}  # acceptor -> per hosting action, the index of `base[y]` it goes before
     for x, y in pairs:
         starts = [start for a, start, _ in timed.timeline[x] if a.op in PARTNER_OP]

@@ -35,9 +35,9 @@ def validate(schedule: Schedule) -> None:
     """Raise ScheduleError at the first rule `schedule` breaks; return None when it is runnable."""
     _check_fields(schedule)
     _check_links(schedule)
-    _check_parking_links(schedule)
     for rank in range(schedule.num_ranks):
         _check_rank(schedule, rank)
+    _check_parking_links(schedule)
     _check_deadlock(schedule)
 
 
