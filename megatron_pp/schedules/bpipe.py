@@ -166,15 +166,15 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
     hosting: dict[int, list[Action]] = {}
     for x, y in pairs:
         hosting[y] = [Action(PARTNER_OP[a.op], a.microbatch, a.chunk, x) for a in base[x] if a.op in PARTNER_OP]
-        ready[y] = hosting[y] + ready[y]
+        ready[y] = sorted(hosting[y], key=lambda a: a.op is Op.RETURN) + ready[y]  # no ACCEPT after a RETURN
     try:
         timed = simulate(dataclasses.replace(schedule, actions=ready), costs)
     except ScheduleError:
         return schedule  # lists that break a rule of their own, which `validate` reports precisely
     slots: dict[int, list[int]] = {}  # acceptor -> per hosting action, the index of `base[y]` it goes before
     for x, y in pairs:
-        starts = [start for a, start, _ in timed.timeline[x] if a.op in PARTNER_OP]
         computes = [(i, end) for i, (a, _, end) in enumerate(timed.timeline[y][len(hosting[y]):]) if a.is_compute]
+        starts = [start for a, start, _ in timed.timeline[x] if a.op in PARTNER_OP]
         ends = [end for _, end in computes]
         slots[y] = []
         for start in starts:

@@ -13,10 +13,12 @@ simulator models the same wait).
 The acceptor runs an `AcceptorStore`: its own stashes stay where they are, and its list's hosting
 actions serve the partner, from the main thread in list order: `ACCEPT` allocates the stash's buffers
 (resident from that moment) and posts their receives, `RETURN` posts the sends back and the buffers are
-freed once they have completed (seen at the next action that allocates, at the latest at the end of the
-step). Neither waits for the partner, with two exceptions that the lists make safe: a RETURN on gloo
-waits for its stash's receive to have completed (on CUDA it only orders the stream), and the first
-ACCEPT of each chunk waits for the stash's layout (below). Where these operations sit among the
+freed once they have completed. Neither waits for the partner, with three exceptions that the lists
+make safe: an ACCEPT that would hold more guests than `hosting_bound` of its list (one more than the
+list ever has accepted and not yet returned) first waits for the oldest sends back, so memory stays
+bounded whatever the partner's pace (with the planned timing it never waits), a RETURN on
+gloo waits for its stash's receive to have completed (on CUDA it only orders the stream), and the
+first ACCEPT of each chunk waits for the stash's layout (below). Where these operations sit among the
 acceptor's pipeline transfers is fixed by its list (`bpipe.add_hosting` places them; `validate` proves
 the order deadlock-free even where every operation blocks until its peer joins), so every run issues
 them in the same order on both ranks, which NCCL asks of operations on different communicators.
@@ -50,6 +52,7 @@ from megatron_pp.core.comm import ProcessGroup
 from megatron_pp.core.p2p import post_batch
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore, StashState, SyncCopies, _bytes_of
+from megatron_pp.schedules.runtime import hosting_bound
 from megatron_pp.schedules.store import ActivationStore, Stash
 
 
@@ -201,6 +204,8 @@ class AcceptorStore(ActivationStore):
         self._outgoing: list[tuple[tuple[int, int], Transfers]] = []
         self.guest_bytes = 0
         self.peak_guests = 0
+        self.max_guests = 1 << 30
+        """Guests held at once, at most; `prepare_store` sets `hosting_bound` of the rank's list."""
 
     @property
     def resident_count(self) -> int:
@@ -210,6 +215,10 @@ class AcceptorStore(ActivationStore):
         """ACCEPT: allocate the buffers of the partner's stash `key` and post their receives."""
         if key in self._guests:
             raise RuntimeError(f"BPipe acceptor: stash {key} of the partner is already hosted here")
+        while self._outgoing and len(self._guests) >= self.max_guests:  # a slow partner: wait for room
+            key_back, sends = self._outgoing.pop(0)
+            sends.finish()
+            self._drop(key_back)
         if key[1] not in self._layouts:  # the first of this chunk: the evictor announces its sizes
             self._layouts[key[1]] = self.link.receive_sizes()
         buffers = [torch.empty(n, dtype=torch.uint8, device=self.link.device) for n in self._layouts[key[1]]]
@@ -296,3 +305,6 @@ def prepare_store(store: ActivationStore, schedule: Schedule, rank: int) -> None
         raise ValueError(f"--pipeline-schedule {schedule.name}: rank {rank} hosts stashes of rank {hosted[0].peer} "
                          f"(BPipe), which needs an AcceptorStore (build_pipeline makes one), got "
                          f"{type(store).__name__}")
+    if hosted:
+        store.max_guests = hosting_bound(schedule.actions[rank])
+

@@ -17,8 +17,9 @@ Torch-free, so the argument checks can ask before anything is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from megatron_pp.schedules.ir import Op, Schedule
+from megatron_pp.schedules.ir import Action, Op, Schedule
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,13 @@ def runtime_needs(schedule: Schedule) -> RuntimeNeeds:
         weight_versions=versioned or Op.STEP in ops,
         split_backward=bool(ops & {Op.BI, Op.BW}),
     )
+
+
+def hosting_bound(actions: Sequence[Action]) -> int:
+    """Guests an acceptor running `actions` holds at once, at most: one more than the most its list has
+    accepted and not yet returned (a stash sent back may still be on its way while the next arrives)."""
+    held = most = 0
+    for a in actions:
+        held += {Op.ACCEPT: 1, Op.RETURN: -1}.get(a.op, 0)
+        most = max(most, held)
+    return most + 1
