@@ -17,15 +17,17 @@ In the steady state an evicting rank sends one stash and fetches one per 1F1B st
 p − x > K evict (x ≤ p/2 − 2 for even p); the middle rank of an odd p has no partner. Forward and
 backward order, and so the bubble and the numerics, are those of 1F1B.
 
-The partner's list gets the other side of each transfer (`add_hosting`): `ACCEPTj.c<x` posts the
-receive of x's stash (j, c) into new buffers, `RETURNj.c>x` sends it back, in the evictor's order. Both
-are posted without waiting and cost the partner's compute nothing; their place in the list is what
-orders them against the partner's pipeline transfers, identically on every run. Each goes at the last
-point between two of the partner's computes that, simulated, comes no later than the transfer it
-serves starts (so the evictor waits no longer than for a partner that is always ready), moved only as
-far as the rendezvous order requires: a point the evictor's transfer does not depend on through the
-pipeline's messages, and that the partner reaches without the evictor having passed that transfer
-(otherwise each would wait for the other where every operation blocks until its peer joins).
+The partner's list gets the other side of each transfer when communication is inserted
+(`insert_communication` calls `add_hosting`): `ACCEPTj.c<x` posts the receive of x's stash (j, c) into
+new buffers, `RETURNj.c>x` sends it back, in the evictor's order. Both are posted without waiting and
+cost the partner's compute nothing; their place in the list is what orders them against the partner's
+pipeline transfers, identically on every run. Each goes right after the partner's last compute that,
+simulated with a partner that is always ready, ends no later than the transfer it serves starts (so the
+evictor waits no longer than it would for such a partner), and moves only where a replay of all lists
+with every operation blocking until its peer joins would get stuck (each side waiting for the other).
+In the p = 4 example below, rank 3's list becomes
+
+    F0.0 ACCEPT3.0<0 B0.0 F1.0 B1.0 F2.0 B2.0 RETURN3.0>0 F3.0 ACCEPT4.0<0 B3.0 RETURN4.0>0 F4.0 ...
 
 Counting as the simulator and the executor do (a stash is resident from the start of its forward until
 its eviction has completed, a parked stash counts on the partner from its ACCEPT until its LOAD has
@@ -57,15 +59,14 @@ ranks 1–3 hold at most 3 and evict nothing:
 Simulated with F = 1, B = 2 and transfers of 0.25 forward (the default), the peaks are 4 3 2 2 against
 1F1B's 4 3 2 1, the makespan is 1F1B's 33 and no backward waits for its load. At p = 4 the default bound
 therefore saves nothing at the peak (the evicting forward is the peak); `--bpipe-max-resident 2` gives
-3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 4 4 against 8 7 6 5 4 3 2 1.
+3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 5 4 against 8 7 6 5 4 3 2 1.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import warnings
 from collections import deque
-
-import bisect
 
 from megatron_pp.schedules.comm import RendezvousReplay, insert_communication
 from megatron_pp.schedules.ir import COMM_OPS, HOSTING_OPS, PARTNER_OP, SIDE_OPS, Action, Op, Schedule, ScheduleError

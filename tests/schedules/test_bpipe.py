@@ -308,3 +308,11 @@ def test_validator_replays_the_parking_as_blocking_operations():
     with pytest.raises(ScheduleError, match=r"rank \d, action \d+ \(.*\): deadlock under blocking send/receive: .*"
                                             r"blocked on EVICT7.0>3"):
         validate(_hosting_lists(schedule, 3, late))
+
+
+def test_docstring_shows_the_acceptors_list():
+    doc = " ".join(bpipe_module.__doc__.split())
+    rank3 = " ".join(str(a) for a in build_schedule("bpipe", 4, 8).actions[3] if a.is_compute or a.op in
+                     (Op.ACCEPT, Op.RETURN))
+    shown = "F0.0 ACCEPT3.0<0 B0.0 F1.0 B1.0 F2.0 B2.0 RETURN3.0>0 F3.0 ACCEPT4.0<0 B3.0 RETURN4.0>0 F4.0"
+    assert shown in doc and rank3.startswith(shown)
