@@ -18,7 +18,8 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_pp.schedules.ir import COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule,
+                                      ScheduleError)
 
 Message = tuple[str, int, int]
 """What travels on a link: ("F" activation | "B" gradient, microbatch, global stage that produced it)."""
@@ -66,18 +67,16 @@ Slot = tuple[Link, bool, int]
 """Where a communication action sits on its link: (link, is it the sending side, position on that side)."""
 
 
-def link_slots(actions: list[list[Action]], parking: bool | frozenset[int] = False) -> list[list[Slot | None]]:
+def link_slots(actions: list[list[Action]], parking: bool = False) -> list[list[Slot | None]]:
     """Per rank and action, its `Slot` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
-    LOAD and RETURN get slots on their parking links too: on every rank, or on the ranks in the set given).
-    The k-th send and the k-th receive on a link are partners: NCCL and gloo match point-to-point messages
-    between two ranks in posting order."""
+    LOAD and RETURN get slots on their parking links too). The k-th send and the k-th receive on a link
+    are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
     slots: list[list[Slot | None]] = []
     for rank, acts in enumerate(actions):
         seen: dict[tuple[Link, bool], int] = defaultdict(int)
         row: list[Slot | None] = []
-        parks = parking is True or (parking is not False and rank in parking)
         for a in acts:
-            if a.op in COMM_OPS or (parks and a.op in PARTNER_OP):
+            if a.op in COMM_OPS or (parking and a.op in PARTNER_OP):
                 key = (link_of(rank, a), a.op in SEND_OPS or a.op in PARKING_SENDS)
                 row.append((*key, seen[key]))
                 seen[key] += 1
@@ -110,8 +109,7 @@ class RendezvousReplay:
     blocks until its partner is posted: the strictest reading of NCCL, where every operation may hold its
     rank's device queue until the peer joins (one hardware queue, `CUDA_DEVICE_MAX_CONNECTIONS=1`)."""
 
-    def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False,
-                 parking: bool | frozenset[int] = False):
+    def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False, parking: bool = False):
         self.actions = actions
         self.prefer_send_only_batches = prefer_send_only_batches
         self.slots = link_slots(actions, parking)
@@ -123,17 +121,14 @@ class RendezvousReplay:
         link, is_send, k = slot
         return self.posted[link, not is_send] > k
 
-    def run(self, limits: dict[int, int] | None = None) -> list[Blocked]:
-        """Advance every rank as far as possible; return the blocked ranks (empty when all finished).
-        `limits` maps a rank to the index it stops before (it is then neither finished nor reported); the
-        replay can be resumed with other limits."""
+    def run(self) -> list[Blocked]:
+        """Advance every rank as far as possible; return the blocked ranks (empty when all finished)."""
         progress = True
         while progress:
             progress = False
             for rank, acts in enumerate(self.actions):
                 slots = self.slots[rank]
-                stop = len(acts) if limits is None or rank not in limits else min(len(acts), limits[rank])
-                while self.pos[rank] < stop:
+                while self.pos[rank] < len(acts):
                     i = self.pos[rank]
                     if slots[i] is None:
                         self.pos[rank] = i + 1
@@ -153,8 +148,7 @@ class RendezvousReplay:
                         break
                     self.pos[rank], self.batch_end[rank] = end, None
                     progress = True
-        return [self._blocked(rank) for rank, acts in enumerate(self.actions)
-                if self.pos[rank] < len(acts) and (limits is None or self.pos[rank] < limits.get(rank, len(acts)))]
+        return [self._blocked(rank) for rank, acts in enumerate(self.actions) if self.pos[rank] < len(acts)]
 
     def _blocked(self, rank: int) -> Blocked:
         i, end = self.pos[rank], self.batch_end[rank]
