@@ -10,7 +10,8 @@
 The schedule is built exactly as training builds it (generator, passes, communication, validation), then
 timed by the simulator. The top panel has one row per rank with a box per compute action, coloured by
 microbatch (backwards lighter and hatched), so bubbles show as empty space; stash transfers (OFFLOAD,
-RELOAD, EVICT, LOAD) are thin bars on a lane under their rank's row. The bottom panel shows how many
+RELOAD, EVICT, LOAD) are thin bars on a lane under their rank's row, and a BPipe acceptor's ACCEPT and
+RETURN are markers on its lane where it posts them. The bottom panel shows how many
 (microbatch, chunk) stashes each rank holds in device memory over time (BPipe's acceptors include
 the stashes they host). `--compare` draws several schedules' stash curves side by side on one scale
 instead, with a last panel of every rank's peak under each. `--offload-time` is the one-way transfer
@@ -44,7 +45,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from megatron_pp.cli import OneLineArgumentParser, UsageError, write_json  # noqa: E402
-from megatron_pp.schedules.ir import TRANSFER_OPS, Action, Op, Schedule  # noqa: E402
+from megatron_pp.schedules.ir import HOSTING_OPS, TRANSFER_OPS, Action, Op, Schedule  # noqa: E402
 from megatron_pp.schedules.plugins import add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.schedules.registry import (build_schedule, get_schedule, registered_schedules,  # noqa: E402
                                            schedule_options)
@@ -260,6 +261,8 @@ def to_json(schedule: Schedule, result: SimResult, costs: CostModel) -> dict:
 _HATCH = {Op.F: None, Op.B: "///", Op.BI: "\\\\\\", Op.BW: "xxx"}
 _LIGHTEN = {Op.F: 0.0, Op.B: 0.45, Op.BI: 0.45, Op.BW: 0.65}
 _TRANSFER_COLOUR = {Op.OFFLOAD: "#444444", Op.RELOAD: "#999999", Op.EVICT: "#7a3b00", Op.LOAD: "#d9a066"}
+_HOSTING_MARKER = {Op.ACCEPT: "v", Op.RETURN: "^"}  # where the acceptor posts its side of a peer transfer
+_HOSTING_COLOUR = {Op.ACCEPT: _TRANSFER_COLOUR[Op.EVICT], Op.RETURN: _TRANSFER_COLOUR[Op.LOAD]}
 
 
 Executed = list[list[tuple[Action, float, float]]]
@@ -304,6 +307,7 @@ def draw(schedule: Schedule, result: SimResult, path: str, executed: Optional[Ex
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     p, m = schedule.num_ranks, schedule.num_microbatches
@@ -338,7 +342,10 @@ def draw(schedule: Schedule, result: SimResult, path: str, executed: Optional[Ex
     ax_time.legend(handles=[Patch(facecolor=colour(op, 0), edgecolor="black", hatch=_HATCH[op], label=op.value)
                             for op in (Op.F, Op.B, Op.BI, Op.BW) if op in seen_ops]
                    + [Patch(facecolor=_TRANSFER_COLOUR[op], label=f"{op.value} (copy lane)")
-                      for op in (Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD) if op in seen_transfers],
+                      for op in (Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD) if op in seen_transfers]
+                   + [Line2D([], [], marker=_HOSTING_MARKER[op], linestyle="none", markersize=5,
+                             color=_HOSTING_COLOUR[op], label=f"{op.value} (acceptor posts)")
+                      for op in (Op.ACCEPT, Op.RETURN) if op in seen_transfers],
                    loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="colour = microbatch",
                    title_fontsize=7)
     options = ", ".join(f"{k}={v}" for k, v in schedule.options.items())
@@ -368,7 +375,11 @@ def _draw_timeline(ax, timeline, colour, px_per_unit: float, detailed: bool, see
     # a few hundred collections instead of 65,536 artists (each broken_barh call also rescales the axes).
     for rank, entries in enumerate(timeline):
         bars: dict[Op, tuple[list, list]] = {}
+        posts: dict[Op, list[float]] = {}
         for action, start, end in entries:
+            if action.op in HOSTING_OPS:  # a BPipe acceptor posting its side of a transfer: a marker
+                posts.setdefault(action.op, []).append(start)
+                continue
             if end <= start or not (action.is_compute or action.op in TRANSFER_OPS):
                 continue
             spans, colours = bars.setdefault(action.op, ([], []))
@@ -390,6 +401,10 @@ def _draw_timeline(ax, timeline, colour, px_per_unit: float, detailed: bool, see
                 seen_ops.add(op)
                 ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colours, edgecolor="black",
                                linewidth=0.4 if detailed else 0, hatch=_HATCH[op] if detailed else None)
+        for op, starts in posts.items():
+            seen_transfers.add(op)
+            ax.plot(starts, [rank + 0.48] * len(starts), marker=_HOSTING_MARKER[op], markersize=4,
+                    color=_HOSTING_COLOUR[op], linestyle="none")
 
 
 def _draw_executed(ax, executed: Executed, colour, p: int, seen_transfers: set) -> None:

@@ -68,6 +68,7 @@ from megatron_pp.schedules.comm import insert_communication
 from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule
 from megatron_pp.schedules.offload import OffloadWarning
 from megatron_pp.schedules.registry import build_schedule, get_schedule
+from megatron_pp.schedules.runtime import hosting_bound
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 from megatron_pp.schedules.validate import validate
 from megatron_pp.training.flops import iteration_flops
@@ -485,16 +486,18 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
     chunk) weighted by its stage's bytes.
 
     The accounting is the simulator's (schedules/simulate.py): + a stash when its F starts, − when its B
-    (or BW) ends, − when an OFFLOAD/EVICT copy completes and + when the RELOAD/LOAD back starts; an EVICT
-    puts the stash on its peer from the copy's start until the LOAD has delivered it back. Events of a
+    (or BW) ends, − when an OFFLOAD/EVICT copy completes and + when the RELOAD/LOAD back starts; a parked
+    stash counts on its peer from the peer's ACCEPT until the LOAD has delivered it back. Events of a
     rank's own actions at equal times keep list order, as the simulator records them; a peer's events
     at equal times are taken pessimistically (arrivals first, departures last). With unit bytes this
     reproduces `SimResult.peak_stash` (tested).
 
-    A rank that hosts a peer's stashes has no action of its own for them: they arrive and leave when the
-    peer's transfers complete (`schedules.peer_store.AcceptorStore`), so on a real machine they can
-    overlap its own stashes differently from the simulated timeline. Such a rank is charged the larger of
-    its simulated peak and (its own peak + its hosted peak), a bound that holds whatever the timing.
+    A rank that hosts a peer's stashes allocates them at its ACCEPT but frees them only when the peer's
+    LOAD has taken them back (`schedules.peer_store.AcceptorStore`), which on a real machine depends on
+    the peer's pace, so they can overlap its own stashes differently from the simulated timeline. The
+    store holds at most `peer_store.hosting_bound` of its list at once, so such a rank is charged the
+    larger of its simulated peak and (its own peak + that many guests), a bound that holds whatever the
+    timing.
     """
     events: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.num_ranks)]
     for rank, line in enumerate(sim.timeline):
@@ -509,8 +512,9 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
                 events[rank].append((end, index, -size))
             elif op in (Op.OFFLOAD, Op.EVICT):
                 events[rank].append((end, index, -size))
-                if op is Op.EVICT:
-                    events[action.peer].append((start, -math.inf, size))
+            elif op is Op.ACCEPT:  # the buffers of the peer's stash, from their allocation
+                events[rank].append((start, -math.inf, float(stage_bytes[schedule.stage_of(action.peer,
+                                                                                         action.chunk)])))
             elif op in (Op.RELOAD, Op.LOAD):
                 events[rank].append((start, index, size))
                 if op is Op.LOAD:
@@ -523,10 +527,12 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
         return peak
 
     peaks = []
-    for rank_events in events:
+    for rank, rank_events in enumerate(events):
         peak = peak_of(rank_events)
-        hosted = [e for e in rank_events if math.isinf(e[1])]
+        hosted = [a for a in schedule.actions[rank] if a.op is Op.ACCEPT]
         if hosted:
-            peak = max(peak, peak_of([e for e in rank_events if not math.isinf(e[1])]) + peak_of(hosted))
+            guest = float(stage_bytes[schedule.stage_of(hosted[0].peer, hosted[0].chunk)])
+            own = peak_of([e for e in rank_events if not math.isinf(e[1])])
+            peak = max(peak, own + hosting_bound(schedule.actions[rank]) * guest)
         peaks.append(peak)
     return peaks

@@ -15,17 +15,27 @@ is not public (docs/schedules.md, "Formulas and their sources").
 
 In the steady state an evicting rank sends one stash and fetches one per 1F1B step. Only ranks with
 p − x > K evict (x ≤ p/2 − 2 for even p); the middle rank of an odd p has no partner. Forward and
-backward order, and so the bubble and the numerics, are those of 1F1B; only EVICT/LOAD are added, and
-the partner's list is untouched (it serves each transfer in the evictor's order beside its own list, see
-`peer_store.AcceptorStore`).
+backward order, and so the bubble and the numerics, are those of 1F1B.
+
+The partner's list gets the other side of each transfer when communication is inserted
+(`insert_communication` calls `add_hosting`): `ACCEPTj.c<x` posts the receive of x's stash (j, c) into
+new buffers, `RETURNj.c>x` sends it back, in the evictor's order. Both are posted without waiting and
+cost the partner's compute nothing; their place in the list is what orders them against the partner's
+pipeline transfers, identically on every run. Each goes right after the partner's last compute that,
+simulated with a partner that is always ready, ends no later than the transfer it serves starts (so the
+evictor waits no longer than it would for such a partner), and moves only where a replay of all lists
+with every operation blocking until its peer joins would get stuck (each side waiting for the other).
+In the p = 4 example below, rank 3's list becomes
+
+    F0.0 ACCEPT3.0<0 B0.0 F1.0 B1.0 F2.0 B2.0 RETURN3.0>0 F3.0 ACCEPT4.0<0 B3.0 RETURN4.0>0 F4.0 ...
 
 Counting as the simulator and the executor do (a stash is resident from the start of its forward until
-its eviction has completed, a parked stash counts on the partner from the start of its EVICT until its
-LOAD has delivered it, and a loaded one counts again from the start of its LOAD), an evicting rank peaks
-at K + 1: the forward that exceeds the bound holds its new stash before it can leave. The executor
-finishes pending evictions before the next forward allocates, so it never holds K + 2. The partner holds
-its own ≤ x + 1 and ≤ p − x − K parked stashes (a stash is evicted before the previous one is loaded
-back, both in the list and on the partner's service thread), so ≤ p + 1 − K ≤ K.
+its eviction has completed, a parked stash counts on the partner from its ACCEPT until its LOAD has
+delivered it, and a loaded one counts again from the start of its LOAD), an evicting rank peaks at K + 1:
+the forward that exceeds the bound holds its new stash before it can leave. The executor finishes
+pending evictions before the next forward allocates, so it never holds K + 2. The partner holds its own
+≤ x + 1 stashes and the parked ones it has accepted; an ACCEPT is posted up to one of its computes
+before the eviction starts, so it can hold one more guest than the ≤ p − x − K that are parked at once.
 
 Worked example, p = 4, m = 8, K = 3 (`format_table(per_row=10)` with transfers shown). Rank 0's 1F1B
 peak is 4, so from F3 on each forward's stash goes to rank 3 and comes back after the next backward;
@@ -49,16 +59,17 @@ ranks 1–3 hold at most 3 and evict nothing:
 Simulated with F = 1, B = 2 and transfers of 0.25 forward (the default), the peaks are 4 3 2 2 against
 1F1B's 4 3 2 1, the makespan is 1F1B's 33 and no backward waits for its load. At p = 4 the default bound
 therefore saves nothing at the peak (the evicting forward is the peak); `--bpipe-max-resident 2` gives
-3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 4 4 against 8 7 6 5 4 3 2 1.
+3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 5 4 against 8 7 6 5 4 3 2 1.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import warnings
 from collections import deque
 
-from megatron_pp.schedules.comm import insert_communication
-from megatron_pp.schedules.ir import COMM_OPS, TRANSFER_OPS, Action, Op, Schedule
+from megatron_pp.schedules.comm import RendezvousReplay, insert_communication
+from megatron_pp.schedules.ir import COMM_OPS, HOSTING_OPS, PARTNER_OP, SIDE_OPS, Action, Op, Schedule, ScheduleError
 from megatron_pp.schedules.simulate import CostModel, simulate
 
 
@@ -84,7 +95,7 @@ def _check_input(schedule: Schedule, max_resident: object) -> int:
                          "(drop --num-layers-per-virtual-pipeline-stage)")
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
-            if a.op in COMM_OPS or a.op in TRANSFER_OPS:
+            if a.op in COMM_OPS or a.op in SIDE_OPS:
                 raise ValueError(f"the bpipe pass expects a compute-only schedule; rank {rank}, action {i} is {a} "
                                  "(run it before insert_communication, once, and not after the offload pass)")
     bound = default_max_resident(schedule.num_ranks) if max_resident is None else max_resident
@@ -119,8 +130,9 @@ def _evicting_list(actions: list[Action], peer: int, bound: int) -> list[Action]
 def add_bpipe(schedule: Schedule, max_resident: int | None = None) -> Schedule:
     """The pass: EVICT/LOAD on every rank x < p − 1 − x whose count exceeds `max_resident` (default K).
 
-    Returns compute lists plus transfers (communication is inserted later, as for every schedule). It
-    places transfers by counting alone; `warn_unhidden_transfers` checks them on a simulated timeline.
+    Returns compute lists plus transfers. Communication is inserted later, as for every schedule, and with
+    it the partner's side of each transfer (`add_hosting`, which `insert_communication` calls). It places
+    EVICT/LOAD by counting alone; `warn_unhidden_transfers` checks them on a simulated timeline.
     """
     bound = _check_input(schedule, max_resident)
     p = schedule.num_ranks
@@ -129,6 +141,100 @@ def add_bpipe(schedule: Schedule, max_resident: int | None = None) -> Schedule:
         peer = partner(rank, p)
         lists.append(_evicting_list(acts, peer, bound) if peer is not None and rank < peer else list(acts))
     return dataclasses.replace(schedule, actions=lists, options={**schedule.options, "bpipe_max_resident": bound})
+
+
+def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
+    """Give every acceptor the ACCEPT/RETURN of its evictor's EVICT/LOAD (see the module docstring).
+
+    `schedule` has its pipeline communication (`insert_communication` calls this last) and EVICT/LOAD on
+    the evictors only. A hosting action first goes right before the receives of the acceptor's first
+    compute that, in a simulation under `costs` with the acceptor taken as always ready, ends after its
+    transfer starts (after the sends of the compute before: it is posted when that compute ends, no later
+    than the transfer starts, and ahead of inputs that may come from the evictor's later work; this splits
+    a send-and-receive batch in two, which the replay below checks). It then moves only
+    where a replay of the lists under rendezvous semantics (every operation blocks until its peer joins,
+    parking included) gets stuck: one its acceptor waits at while the evictor waits elsewhere moves one
+    place later; one an evictor waits for while the acceptor waits in a batch moves in front of the
+    batch's members that wait. Each acceptor keeps its evictor's order, so both sides of each pair group
+    post in one order.
+    """
+    pairs = sorted({(rank, a.peer) for rank, acts in enumerate(schedule.actions) for a in acts if a.op in PARTNER_OP})
+    ranks = [r for pair in pairs for r in pair]
+    if not pairs or len(set(ranks)) != len(ranks):
+        return schedule  # nothing to host, or pairs that overlap, which `validate` reports
+    base = [list(acts) for acts in schedule.actions]
+    ready = [list(acts) for acts in base]
+    hosting: dict[int, list[Action]] = {}
+    for x, y in pairs:
+        hosting[y] = [Action(PARTNER_OP[a.op], a.microbatch, a.chunk, x) for a in base[x] if a.op in PARTNER_OP]
+        ready[y] = sorted(hosting[y], key=lambda a: a.op is Op.RETURN) + ready[y]  # no ACCEPT after a RETURN
+    try:
+        timed = simulate(dataclasses.replace(schedule, actions=ready), costs)
+    except ScheduleError:
+        return schedule  # lists that break a rule of their own, which `validate` reports precisely
+    slots: dict[int, list[int]] = {}  # acceptor -> per hosting action, the index of `base[y]` it goes before
+    for x, y in pairs:
+        computes = [(i, end) for i, (a, _, end) in enumerate(timed.timeline[y][len(hosting[y]):]) if a.is_compute]
+        starts = [start for a, start, _ in timed.timeline[x] if a.op in PARTNER_OP]
+        ends = [end for _, end in computes]
+        slots[y] = []
+        for start in starts:
+            k = bisect.bisect_right(ends, start + 1e-9)
+            at = computes[k - 1][0] + 1 if k else 0  # right after the last compute that ends in time
+            slots[y].append(max([at] + slots[y][-1:]))
+    blocked: list = []
+    for _ in range(4 * sum(len(h) for h in hosting.values()) + 4):
+        lists = [_insert_before(acts, slots[r], hosting[r]) if r in hosting else acts for r, acts in enumerate(base)]
+        replay = RendezvousReplay([list(acts) for acts in lists], parking=True)
+        blocked = replay.run()
+        if not blocked:
+            return dataclasses.replace(schedule, actions=lists)
+        if not _repair(lists, blocked, hosting, slots):
+            break
+    raise ScheduleError("bpipe: found no deadlock-free place for the acceptor's side of the transfers; stuck at "
+                        + "; ".join(b.describe() for b in blocked))
+
+
+def _insert_before(actions: list[Action], slots: list[int], hosting: list[Action]) -> list[Action]:
+    """`actions` with hosting[k] inserted before actions[slots[k]] (several at one place in their order)."""
+    out, k = [], 0
+    for i, a in enumerate(actions):
+        while k < len(hosting) and slots[k] == i:
+            out.append(hosting[k])
+            k += 1
+        out.append(a)
+    return out + hosting[k:]
+
+
+def _repair(lists: list[list[Action]], blocked, hosting: dict[int, list[Action]], slots: dict[int, list[int]]) -> bool:
+    """Move the hosting actions a stuck replay of `lists` points at (see `add_hosting`); False if none."""
+    stuck = {b.rank: b for b in blocked}
+    moved = False
+    for b in blocked:
+        for _, a in b.waiting:
+            if a.op in HOSTING_OPS:  # the acceptor waits for its evictor, which waits elsewhere: one later
+                y, k = b.rank, hosting[b.rank].index(a)
+                if a.peer in stuck and any(w.op in PARTNER_OP for _, w in stuck[a.peer].waiting):
+                    continue
+                if slots[y][k] < len(lists[y]) - len(hosting[y]):
+                    slots[y][k] += 1
+                    for j in range(k + 1, len(slots[y])):
+                        slots[y][j] = max(slots[y][j], slots[y][k])
+                    moved = True
+            elif a.op in PARTNER_OP:  # the evictor waits for its acceptor, which waits in a batch: before it
+                y = a.peer
+                k = hosting[y].index(Action(PARTNER_OP[a.op], a.microbatch, a.chunk, b.rank))
+                if y not in stuck or any(w.op in HOSTING_OPS for _, w in stuck[y].waiting):
+                    continue
+                at = min(i for i, _ in stuck[y].waiting)
+                # In the hosting-free list: the first member y waits for (the members before it are matched).
+                first = at - sum(1 for act in lists[y][:at] if act.op in HOSTING_OPS)
+                if slots[y][k] > first:
+                    slots[y][k] = first
+                    for j in range(k):
+                        slots[y][j] = min(slots[y][j], first)
+                    moved = True
+    return moved
 
 
 def warn_unhidden_transfers(schedule: Schedule, costs: CostModel | None = None) -> Schedule:

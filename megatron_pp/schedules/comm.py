@@ -1,7 +1,8 @@
 """Pipeline communication: which messages a schedule needs, how they pair up, and the pass that inserts them.
 
 A generator emits compute only. `insert_communication` adds a SEND after every compute whose result goes
-to another rank and a RECV before every compute whose input comes from another rank, then moves receives
+to another rank and a RECV before every compute whose input comes from another rank (and, for BPipe's
+EVICT/LOAD, the partner's ACCEPT/RETURN: `bpipe.add_hosting`), then moves receives
 earlier where needed: (1) so that every directed link (rank a -> rank b) receives in the order it sends,
 since messages on a link match in posting order whatever their kind, and (2) so that the lists cannot
 deadlock under blocking (rendezvous) semantics with the batching rule of `ir` (consecutive communication
@@ -18,12 +19,16 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule,
+                                      ScheduleError)
 
 Message = tuple[str, int, int]
 """What travels on a link: ("F" activation | "B" gradient, microbatch, global stage that produced it)."""
-Link = tuple[int, int]
-"""A directed pipeline link (sending rank, receiving rank)."""
+Link = tuple
+"""A directed pipeline link (sending rank, receiving rank); a BPipe parking link also names its group
+(sending rank, receiving rank, "EVICT" or "LOAD")."""
+PARKING_SENDS = frozenset({Op.EVICT, Op.RETURN})
+"""The sending side of each parking link (EVICT -> ACCEPT, RETURN -> LOAD)."""
 HOIST_TO_SEND_ONLY_BATCHES = "hoist_to_send_only_batches"
 """Schedule option: when a receive must be hoisted, prefer a peer blocked in a batch without receives
 (see `RendezvousReplay.hoist_receive`)."""
@@ -52,6 +57,9 @@ def message_of(schedule: Schedule, rank: int, action: Action) -> Message:
 
 
 def link_of(rank: int, action: Action) -> Link:
+    if action.op in PARTNER_OP:  # BPipe parking: its own group per pair and direction
+        kind = "EVICT" if action.op in (Op.EVICT, Op.ACCEPT) else "LOAD"
+        return (rank, action.peer, kind) if action.op in PARKING_SENDS else (action.peer, rank, kind)
     return (rank, action.peer) if action.op in SEND_OPS else (action.peer, rank)
 
 
@@ -59,18 +67,19 @@ Slot = tuple[Link, bool, int]
 """Where a communication action sits on its link: (link, is it the sending side, position on that side)."""
 
 
-def link_slots(actions: list[list[Action]]) -> list[list[Slot | None]]:
-    """Per rank and action, its `Slot` (None for non-communication). The k-th send and the k-th receive on
-    a link are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
+def link_slots(actions: list[list[Action]], parking: bool = False) -> list[list[Slot | None]]:
+    """Per rank and action, its `Slot` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
+    LOAD and RETURN get slots on their parking links too). The k-th send and the k-th receive on a link
+    are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
     slots: list[list[Slot | None]] = []
     for rank, acts in enumerate(actions):
         seen: dict[tuple[Link, bool], int] = {}
         row: list[Slot | None] = []
         for a in acts:
             op = a.op
-            if op in COMM_OPS:
-                is_send = op in SEND_OPS
-                key = ((rank, a.peer) if is_send else (a.peer, rank), is_send)
+            if op in COMM_OPS or (parking and op in PARTNER_OP):
+                is_send = op in SEND_OPS or op in PARKING_SENDS
+                key = (link_of(rank, a), is_send)
                 k = seen.get(key, 0)
                 seen[key] = k + 1
                 row.append((key[0], is_send, k))
@@ -131,12 +140,16 @@ class RendezvousReplay:
 
     Only a posting on one of its links can unblock a rank, so a posting wakes the rank at the link's
     other end (`Wakeups`) and nothing else is looked at again. `work` counts rank visits, batch members
-    checked and ranks looked at between hoists; it stays proportional to the communication actions."""
+    checked and ranks looked at between hoists; it stays proportional to the communication actions.
 
-    def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False):
+    With `parking`, BPipe's EVICT/ACCEPT and LOAD/RETURN take part too, each a batch of its own that
+    blocks until its partner is posted: the strictest reading of NCCL, where every operation may hold its
+    rank's device queue until the peer joins (one hardware queue, `CUDA_DEVICE_MAX_CONNECTIONS=1`)."""
+
+    def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False, parking: bool = False):
         self.actions = actions
         self.prefer_send_only_batches = prefer_send_only_batches
-        self.slots = link_slots(actions)
+        self.slots = link_slots(actions, parking)
         self.pos = [0] * len(actions)
         self.batch_end: list[int | None] = [None] * len(actions)
         self.posted: dict[tuple[Link, bool], int] = defaultdict(int)
@@ -179,6 +192,8 @@ class RendezvousReplay:
                     posted[link, is_send] += 1
                     self.wakeups.wake(link[1] if is_send else link[0])
                     end += 1
+                    if acts[end - 1].op not in COMM_OPS or (end < n and acts[end].op not in COMM_OPS):
+                        break  # a parking action (with `parking`) is a batch of its own
                 batch_end[rank] = end
             for j in range(i, end):
                 work += 1
@@ -262,7 +277,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
     p = schedule.num_ranks
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
-            if a.op in COMM_OPS:
+            if a.op in COMM_OPS or a.op in HOSTING_OPS:
                 raise ScheduleError(f"rank {rank}, action {i} ({a}): schedule {schedule.name!r} already has "
                                     "communication; insert_communication expects compute-only lists")
     sends_after: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
@@ -319,7 +334,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
         for i, a in enumerate(acts):
             # Stash transfers issued after a compute go before its sends, so that they never split the
             # batch of those sends with the next compute's receives (the pairing that avoids deadlocks).
-            if a.op not in TRANSFER_OPS:
+            if a.op not in SIDE_OPS:
                 out += sends
                 sends = []
             out += recvs_before[rank].get(i, [])
@@ -332,4 +347,9 @@ def insert_communication(schedule: Schedule) -> Schedule:
         if not replay.hoist_receive():
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
                                 + "; ".join(b.describe() for b in replay.blocked()))
-    return dataclasses.replace(schedule, actions=lists)
+    with_comm = dataclasses.replace(schedule, actions=lists)
+    if any(a.op in PARTNER_OP for acts in lists for a in acts):
+        from megatron_pp.schedules.bpipe import add_hosting  # the acceptor's side of BPipe's parking
+
+        with_comm = add_hosting(with_comm)
+    return with_comm

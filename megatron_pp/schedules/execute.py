@@ -28,10 +28,10 @@ Stash transfers: when the list has OFFLOAD actions the executor uses an `Offload
 is passed) and tells it which stashes will move; OFFLOAD hands it the stash plus the tensors that must
 stay on the device (the microbatch's batch tensors and the chunk output still to be sent), RELOAD asks
 for it back, and autograd waits for the reload when it first reads a saved tensor. EVICT and LOAD
-(BPipe) do the same with a `peer_store.PeerStore`, parking the stash on the partner rank, whose
-`AcceptorStore` serves those transfers beside its own list; `build_pipeline` creates both (they need a
-process group per pair) and the executor checks that the store fits the list. The store hears when a
-step starts and ends (`begin_step`, `end_step`), which is when an acceptor serves its partner.
+(BPipe) do the same with a `peer_store.PeerStore`, parking the stash on the partner rank, whose list
+has the other side: ACCEPT and RETURN, run by its `AcceptorStore` at the points its list fixes;
+`build_pipeline` creates both (they need a process group per pair) and the executor checks that the
+store fits the list. The store hears when a step starts and ends (`begin_step`, `end_step`).
 
 Schedules that carry state from one optimizer step to the next (2BW) run their list one *segment* per
 call (`run(..., segment=...)`): microbatches in flight when a call ends keep their inputs, outputs and
@@ -144,6 +144,7 @@ class PipelineExecutor:
         self.handlers: dict[Op, Callable[[Action], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward_input, Op.BW: self._backward_weight,
             Op.OFFLOAD: self._offload, Op.RELOAD: self._reload, Op.EVICT: self._evict, Op.LOAD: self._load,
+            Op.ACCEPT: self._accept, Op.RETURN: self._return,
         }
         self.handlers[Op.REDUCE_GRAD] = self._reduce_grad
         # (microbatch, chunk) keys whose weight-gradient GEMMs wait for their BW: those whose list puts other
@@ -373,6 +374,12 @@ class PipelineExecutor:
 
     def _load(self, action: Action) -> None:
         self.store.load((action.microbatch, action.chunk))
+
+    def _accept(self, action: Action) -> None:
+        self.store.accept((action.microbatch, action.chunk))  # an AcceptorStore (checked by prepare_store)
+
+    def _return(self, action: Action) -> None:
+        self.store.give_back((action.microbatch, action.chunk))
 
     # Gradient reduction ----------------------------------------------------------------------------------
     def _reduce_grad(self, action: Action) -> None:

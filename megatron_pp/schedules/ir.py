@@ -13,6 +13,8 @@ weight version, used by 2BW)::
     SEND_B3.1>0   RECV_B3.1<2         input-gradient sent from B3.1 (or BI3.1) / output-gradient for it
     OFFLOAD3.1    RELOAD3.1           stash of (3, 1) to host memory and back
     EVICT3.1>2    LOAD3.1<2           stash of (3, 1) parked on rank q and fetched back (BPipe)
+    ACCEPT3.1<0   RETURN3.1>0         on the acceptor q: receive rank 0's evicted stash (3, 1) into new
+                                      buffers, and send it back (mb and chunk name the evictor's stash)
     REDUCE_GRAD.1                     data-parallel gradient reduction of chunk 1
     STEP                              optimizer step
     F3.1@1                            any of the above with weight version 1
@@ -28,6 +30,10 @@ e.g. 1F1B's steady state posts `SEND_F7.0>1 RECV_B4.0<1` as one batch; the block
 of rank r sending F while rank r+1 sends B cannot occur because each side's batch also holds the
 receive the other side's send needs. Messages on a directed link (rank a -> rank b) are matched in the
 order they are posted, whatever their kind, as NCCL does; the validator checks both ends agree.
+
+BPipe's peer parking uses two more links per pair, each its own process group (`ParallelState.pair_groups`):
+EVICT on the evictor matches ACCEPT on the acceptor, LOAD matches RETURN, in list order on both sides.
+Each of these actions is a batch of its own (posted alone, on its own group), never part of a pipeline batch.
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ class Op(str, enum.Enum):
     RELOAD = "RELOAD"
     EVICT = "EVICT"
     LOAD = "LOAD"
+    ACCEPT = "ACCEPT"
+    RETURN = "RETURN"
     REDUCE_GRAD = "REDUCE_GRAD"
     STEP = "STEP"
 
@@ -73,11 +81,17 @@ TRANSFER_OPS = frozenset({Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD})
 """Stash movements (PipeOffload, BPipe); they ride their own streams, not the pipeline batches."""
 RETURN_TRANSFER = {Op.OFFLOAD: Op.RELOAD, Op.EVICT: Op.LOAD}
 """Outbound stash transfer (the stash leaves device memory) -> the inbound one that brings it back."""
+HOSTING_OPS = frozenset({Op.ACCEPT, Op.RETURN})
+"""The acceptor's side of BPipe's parking: post the receive of a partner's evicted stash, send it back."""
+PARTNER_OP = {Op.EVICT: Op.ACCEPT, Op.LOAD: Op.RETURN, Op.ACCEPT: Op.EVICT, Op.RETURN: Op.LOAD}
+"""The action on the other rank of a parking pair that a parking action is matched with."""
+SIDE_OPS = TRANSFER_OPS | HOSTING_OPS
+"""Actions on side streams that cost the compute stream nothing (stash transfers and hosting)."""
 
 # Which fields each operation carries. The direction character is part of the peer syntax: '>' for
 # operations that push data to the peer, '<' for those that pull from it.
-_WITH_PEER_OUT = frozenset({Op.SEND_F, Op.SEND_B, Op.EVICT})
-_WITH_PEER_IN = frozenset({Op.RECV_F, Op.RECV_B, Op.LOAD})
+_WITH_PEER_OUT = frozenset({Op.SEND_F, Op.SEND_B, Op.EVICT, Op.RETURN})
+_WITH_PEER_IN = frozenset({Op.RECV_F, Op.RECV_B, Op.LOAD, Op.ACCEPT})
 _WITHOUT_MICROBATCH = frozenset({Op.REDUCE_GRAD, Op.STEP})
 
 # Longest names first so that "BI" is not read as "B" followed by garbage.

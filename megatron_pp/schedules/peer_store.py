@@ -10,29 +10,37 @@ receives; the backward's first read of a saved tensor waits for them. Before a f
 evictor completes the evictions still in flight, so it never holds its bound plus two stashes (the
 simulator models the same wait).
 
-The acceptor runs an `AcceptorStore`: its own stashes stay where they are, and a service thread handles
-the partner's transfers in the partner's list order, which is the order in which the evictor posts them:
-for an EVICT it receives the stash's storage sizes, allocates the buffers (resident from that moment) and
-receives into them; for a LOAD it sends the buffers back and frees them once the sends have completed.
-Its list has no actions for this, so no compute waits for parking and no ordering between the two
-lists can deadlock: every blocking call of the thread matches an operation the evictor has already
-posted or posts without waiting for the acceptor. The thread starts with the step (`begin_step`) and
-the step ends only when it has served every transfer (`end_step`).
+The acceptor runs an `AcceptorStore`: its own stashes stay where they are, and its list's hosting
+actions serve the partner, from the main thread in list order: `ACCEPT` allocates the stash's buffers
+(resident from that moment) and posts their receives, `RETURN` posts the sends back and the buffers are
+freed once they have completed. Neither waits for the partner, with three exceptions that the lists
+make safe: an ACCEPT that would hold more guests than `hosting_bound` of its list (one more than the
+list ever has accepted and not yet returned) first waits for the oldest sends back, so memory stays
+bounded whatever the partner's pace (with the planned timing it never waits), a RETURN on
+gloo waits for its stash's receive to have completed (on CUDA it only orders the stream), and the
+first ACCEPT of each chunk waits for the stash's layout (below). Where these operations sit among the
+acceptor's pipeline transfers is fixed by its list (`bpipe.add_hosting` places them; `validate` proves
+the order deadlock-free even where every operation blocks until its peer joins), so every run issues
+them in the same order on both ranks, which NCCL asks of operations on different communicators.
 
 Transfers go over process groups of the two ranks alone (`ParallelState.pair_groups`, created once per world and
 layout), never the pipeline group, so they do not queue behind neighbour sends on NCCL and cannot be
 matched against them on gloo; evictions and loads take one group each, so that on NCCL (one stream per
 communicator) a stash going out and one coming back share the full-duplex link instead of queueing.
-Each eviction is a header (storage count, then sizes) followed by one message per storage, sent from
-the storage's own memory (no packing copy on the memory-starved rank).
+A stash goes as one message per storage, sent from the storage's own memory (no packing copy on the
+memory-starved rank). The acceptor allocates the receive buffers before the stash is sent, so it must
+know the storage sizes ahead: a chunk's stash has the same storages for every microbatch (the shapes
+are fixed by sequence length, micro-batch size and the layer), so the first eviction of each chunk in
+the stores' lifetime is preceded by a header (storage count, then sizes) that the acceptor's first
+ACCEPT of that chunk waits for, and every later one sends the storages alone into buffers of the
+known sizes. The evictor checks each stash against the layout it announced and stops with an error
+naming both, rather than send a stash the partner's buffers do not fit.
 The same code runs on CPU with gloo, where sends and receives complete asynchronously in gloo's own
-threads, and on CUDA with NCCL, where the acceptor thread works on its own stream (not exercised
-without a GPU).
+threads, and on CUDA with NCCL, where each pair group's operations run on that communicator's stream,
+ordered after the current stream at posting.
 """
 from __future__ import annotations
 
-import os
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,19 +50,15 @@ import torch
 
 from megatron_pp.core.comm import ProcessGroup
 from megatron_pp.core.p2p import post_batch
-from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.ir import Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore, StashState, SyncCopies, _bytes_of
+from megatron_pp.schedules.runtime import hosting_bound
 from megatron_pp.schedules.store import ActivationStore, Stash
 
 
 def parking_pairs(schedule: Schedule) -> list[tuple[int, int]]:
     """(evictor, acceptor) pipeline ranks of every EVICT in `schedule`, sorted."""
     return sorted({(rank, a.peer) for rank, acts in enumerate(schedule.actions) for a in acts if a.op is Op.EVICT})
-
-
-def hosted_transfers(schedule: Schedule, rank: int) -> list[Action]:
-    """The EVICT/LOAD actions that park stashes on `rank`, in the order its (single) evictor posts them."""
-    return [a for acts in schedule.actions for a in acts if a.op in (Op.EVICT, Op.LOAD) and a.peer == rank]
 
 
 @dataclass
@@ -98,16 +102,20 @@ class PeerLink:
         works = post_batch(pairs, [], group) if sending else post_batch([], pairs, group)
         return Transfers(list(works), list(tensors))
 
-    def send_stash(self, storages: Sequence[torch.Tensor]) -> Transfers:
-        """Evictor: post a header (storage count, then sizes) and the storages (uint8 views) themselves."""
-        count = torch.tensor([len(storages)], dtype=torch.int64, device=self.device)
-        sizes = [torch.tensor([t.numel() for t in storages], dtype=torch.int64, device=self.device)] if storages else []
-        header = self._post(True, [count, *sizes], loads=False)
+    def send_stash(self, storages: Sequence[torch.Tensor], announce: bool) -> Transfers:
+        """Evictor: post the storages (uint8 views), after a header (storage count, then sizes) when
+        `announce` (the first eviction of a chunk)."""
+        head = Transfers([])
+        if announce:
+            count = torch.tensor([len(storages)], dtype=torch.int64, device=self.device)
+            sizes = [torch.tensor([t.numel() for t in storages], dtype=torch.int64, device=self.device)] \
+                if storages else []
+            head = self._post(True, [count, *sizes], loads=False)
         body = self._post(True, storages, loads=False)
-        return Transfers(header.works + body.works, header.tensors + body.tensors)
+        return Transfers(head.works + body.works, head.tensors + body.tensors)
 
     def receive_sizes(self) -> list[int]:
-        """Acceptor: block until the next stash's header is in; return its storage sizes in bytes."""
+        """Acceptor: block until a chunk's header is in; return its storage sizes in bytes."""
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._post(False, [count], loads=False).finish()
         if int(count.item()) == 0:
@@ -117,7 +125,7 @@ class PeerLink:
         return [int(n) for n in sizes.tolist()]
 
     def receive_stash(self, storages: Sequence[torch.Tensor]) -> Transfers:
-        """Acceptor: post the receives of an evicted stash's storages (after `receive_sizes`)."""
+        """Acceptor: post the receives of an evicted stash's storages into buffers of its chunk's sizes."""
         return self._post(False, storages, loads=False)
 
     def send_back(self, storages: Sequence[torch.Tensor]) -> Transfers:
@@ -136,6 +144,7 @@ class PeerStore(OffloadStore):
         # No host copies: the host-offload machinery is reused only for recording and rebuilding storages.
         super().__init__(exclude, device=link.device, copies=SyncCopies(), min_numel=min_numel)
         self.link = link
+        self._layouts: dict[Hashable, list[int]] = {}  # chunk -> storage sizes announced to the partner
 
     @contextmanager
     def stash(self, key: Hashable) -> Iterator[Stash]:
@@ -151,9 +160,16 @@ class PeerStore(OffloadStore):
         `keep` and `private` as for `OffloadStore.offload`."""
         record = self._record(key, StashState.SAVED, "EVICT")
         self._choose_parked(record, keep, private)
+        storages = [_bytes_of(e.storage) for e in record.parked]
+        sizes = [t.numel() for t in storages]
+        chunk = key[1] if isinstance(key, tuple) else None
+        announced = self._layouts.setdefault(chunk, sizes)
+        if announced is not sizes and announced != sizes:
+            raise RuntimeError(f"BPipe: stash {key} has storages of {sizes} bytes, but this chunk's first evicted "
+                               f"stash announced {announced} and the partner's buffers have those sizes; a chunk "
+                               "must save the same tensors for every microbatch")
         record.state = StashState.OFFLOADING
-        # Always send the header, even for an empty stash: the acceptor expects one per EVICT.
-        record.ticket = self.link.send_stash([_bytes_of(e.storage) for e in record.parked])
+        record.ticket = self.link.send_stash(storages, announce=announced is sizes)
         self.copied_bytes += sum(e.nbytes for e in record.parked)
         self.poll()
 
@@ -173,135 +189,89 @@ class PeerStore(OffloadStore):
 
 
 class AcceptorStore(ActivationStore):
-    """The acceptor's store: its own stashes stay; a service thread hosts the partner's parked stashes.
+    """The acceptor's store: its own stashes stay; ACCEPT/RETURN host the partner's parked stashes.
 
-    Resident counts and bytes include the hosted stashes from the allocation of their buffers until
-    their sends back have completed. Counters change on both threads, so every update of them holds one
-    lock; the service thread reads the own-stash count from `_own`, which the main thread keeps, and never
-    touches the `live` dictionary the main thread mutates.
+    Resident counts and bytes include the hosted stashes from their ACCEPT (the buffers' allocation)
+    until the sends of their RETURN are seen completed.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (), *, link: PeerLink, transfers: Sequence[Action]) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), *, link: PeerLink) -> None:
         super().__init__(exclude)
-        bad = [a for a in transfers if a.op not in (Op.EVICT, Op.LOAD)]
-        if bad:
-            raise ValueError(f"AcceptorStore serves EVICT and LOAD actions only, got {bad[0]}")
         self.link = link
-        self.transfers = list(transfers)
-        self._lock = threading.RLock()
+        self._layouts: dict[Hashable, list[int]] = {}  # the partner's chunk -> its stash's storage sizes
         self._guests: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._incoming: dict[tuple[int, int], Transfers] = {}
+        self._outgoing: list[tuple[tuple[int, int], Transfers]] = []
         self.guest_bytes = 0
         self.peak_guests = 0
-        self._own = 0
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self._stream = torch.cuda.Stream(link.device) if link.device.type == "cuda" else None
+        self.max_guests = 1 << 30
+        """Guests held at once, at most; `prepare_store` sets `hosting_bound` of the rank's list."""
 
     @property
     def resident_count(self) -> int:
         return len(self.live) + len(self._guests)
 
-    # The service thread ----------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("AcceptorStore: the previous step's parking service is still running (that step "
-                               "failed part way); rebuild the pipeline")
-        if self.transfers:
-            self._error = None
-            self._thread = threading.Thread(target=self._serve, name="bpipe-acceptor", daemon=True)
-            self._thread.start()
+    def accept(self, key: tuple[int, int]) -> None:
+        """ACCEPT: allocate the buffers of the partner's stash `key` and post their receives."""
+        if key in self._guests:
+            raise RuntimeError(f"BPipe acceptor: stash {key} of the partner is already hosted here")
+        while self._outgoing and len(self._guests) >= self.max_guests:  # a slow partner: wait for room
+            key_back, sends = self._outgoing.pop(0)
+            sends.finish()
+            self._drop(key_back)
+        if key[1] not in self._layouts:  # the first of this chunk: the evictor announces its sizes
+            self._layouts[key[1]] = self.link.receive_sizes()
+        buffers = [torch.empty(n, dtype=torch.uint8, device=self.link.device) for n in self._layouts[key[1]]]
+        self._guests[key] = buffers
+        self.guest_bytes += sum(b.numel() for b in buffers)
+        self.peak_guests = max(self.peak_guests, len(self._guests))
+        self._note_peak()
+        self._incoming[key] = self.link.receive_stash(buffers)
 
-    def end_step(self) -> None:
-        if self._thread is None:
-            return
-        self._thread.join()
-        self._thread = None
-        if self._error is not None:
-            raise RuntimeError(f"BPipe acceptor: serving the partner's transfers failed: {self._error!r}") \
-                from self._error
-        if self._guests:
-            raise RuntimeError(f"BPipe acceptor: step ended hosting stashes {sorted(self._guests)}")
+    def give_back(self, key: tuple[int, int]) -> None:
+        """RETURN: post the sends of hosted stash `key` back to the partner (its buffers go once sent)."""
+        if key not in self._incoming:
+            raise RuntimeError(f"BPipe acceptor: RETURN of stash {key}, which was not accepted here")
+        self._incoming.pop(key).wait()  # gloo: the data is in; NCCL: the send is ordered after the receive
+        self._outgoing.append((key, self.link.send_back(self._guests[key])))
+        self.poll()
 
-    def _serve(self) -> None:
-        try:
-            if self._stream is not None:
-                torch.cuda.set_device(self.link.device)  # the current device is per thread
-                with torch.cuda.stream(self._stream):
-                    self._serve_all()
-            else:
-                self._serve_all()
-        except BaseException as err:  # handed to the main thread by end_step
-            self._error = err
+    def poll(self) -> None:
+        """Free the buffers of hosted stashes whose sends back have completed (never blocks)."""
+        while self._outgoing and self._outgoing[0][1].done():
+            self._drop(self._outgoing.pop(0)[0])
 
-    def _serve_all(self) -> None:
-        for action in self.transfers:
-            key = (action.microbatch, action.chunk)
-            if action.op is Op.EVICT:
-                sizes = self.link.receive_sizes()
-                buffers = [torch.empty(n, dtype=torch.uint8, device=self.link.device) for n in sizes]
-                self._count_guest(key, buffers)
-                self.link.receive_stash(buffers).finish()
-            else:
-                buffers = self._guests[key]
-                self.link.send_back(buffers).finish()
-                self._drop_guest(key)
+    def _drop(self, key: tuple[int, int]) -> None:
+        self.guest_bytes -= sum(b.numel() for b in self._guests.pop(key))
 
-    def _count_guest(self, key: tuple[int, int], buffers: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._guests[key] = buffers
-            self.guest_bytes += sum(b.numel() for b in buffers)
-            self.peak_guests = max(self.peak_guests, len(self._guests))
-            self._note_peak()
-
-    def _drop_guest(self, key: tuple[int, int]) -> None:
-        with self._lock:
-            buffers = self._guests.pop(key)
-            self.guest_bytes -= sum(b.numel() for b in buffers)
-
-    # Counters shared with the service thread ------------------------------------------------------------
     @contextmanager
     def stash(self, key: Hashable) -> Iterator[Stash]:
+        self.poll()  # what has gone back frees its room before this forward allocates
         with super().stash(key) as stash:
-            with self._lock:
-                self._own = len(self.live)
             yield stash
 
+    def end_step(self) -> None:
+        for key, sends in self._outgoing:
+            sends.finish()
+            self._drop(key)
+        self._outgoing = []
+        if self._guests:
+            raise RuntimeError(f"BPipe acceptor: step ended hosting stashes {sorted(self._guests)} of the partner")
+
     def pack(self, t: torch.Tensor):
-        with self._lock:
-            packed = super().pack(t)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.guest_bytes)
+        self.poll()  # a peak is counted against what is really still held
+        packed = super().pack(t)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.guest_bytes)
         return packed
 
-    def release(self, key: Hashable) -> None:
-        with self._lock:
-            super().release(key)
-            self._own = len(self.live)
-
     def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = self.live_bytes + self.guest_bytes
-            self.peak_count = self._own + len(self._guests)
-            self.peak_guests = len(self._guests)
+        self.peak_bytes = self.live_bytes + self.guest_bytes
+        self.peak_count = self.resident_count
+        self.peak_guests = len(self._guests)
 
     def _note_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.guest_bytes)
-            self.peak_count = max(self.peak_count, self._own + len(self._guests))
-
-
-def check_acceptor_thread_is_safe(device: torch.device, environ: Optional[dict] = None) -> None:
-    """Refuse peer parking where the acceptor's service thread can hang the GPU (docs/gpu.md).
-
-    The thread issues its transfers on the pair's communicators in an order set by thread timing, beside
-    the main thread's pipeline transfers. With `CUDA_DEVICE_MAX_CONNECTIONS=1` (set by many Megatron-style
-    launch scripts for tensor-parallel overlap) every stream feeds one hardware queue, so a parked stash's
-    receive queued before a pipeline transfer that waits on the evicting rank stalls the whole device:
-    a cycle, and the job hangs."""
-    env = os.environ if environ is None else environ
-    if device.type == "cuda" and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        raise ValueError("BPipe peer parking (EVICT/LOAD in the schedule) cannot run with "
-                         "CUDA_DEVICE_MAX_CONNECTIONS=1: the partner's service thread could queue a transfer ahead "
-                         "of the pipeline's and hang the GPU; unset it for BPipe runs")
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.guest_bytes)
+        self.peak_count = max(self.peak_count, self.resident_count)
 
 
 def peer_store_for(schedule: Schedule, state) -> Optional[ActivationStore]:
@@ -311,16 +281,13 @@ def peer_store_for(schedule: Schedule, state) -> Optional[ActivationStore]:
     pairs = parking_pairs(schedule)
     if not pairs:
         return None
-    check_acceptor_thread_is_safe(state.device)
     groups = state.pair_groups(pairs)
     me = state.pp_rank
     for x, y in pairs:
         if me in (x, y):
             other = y if me == x else x
             link = PeerLink(groups[other], state.pp_global_rank(other), state.device)
-            if me == x:
-                return PeerStore(link=link)
-            return AcceptorStore(link=link, transfers=hosted_transfers(schedule, me))
+            return PeerStore(link=link) if me == x else AcceptorStore(link=link)
     return None
 
 
@@ -328,14 +295,16 @@ def prepare_store(store: ActivationStore, schedule: Schedule, rank: int) -> None
     """Check that `store` can play `rank`'s part in the peer parking of `schedule` and tell a `PeerStore`
     which stashes it will evict. Raises ValueError naming the store it needs."""
     evicted = {(a.microbatch, a.chunk) for a in schedule.actions[rank] if a.op is Op.EVICT}
-    hosted = hosted_transfers(schedule, rank)
+    hosted = [a for a in schedule.actions[rank] if a.op is Op.ACCEPT]
     if evicted:
         if not isinstance(store, PeerStore):
             raise ValueError(f"--pipeline-schedule {schedule.name}: rank {rank} parks stashes on a peer (BPipe), which "
                              f"needs a PeerStore (build_pipeline makes one), got {type(store).__name__}")
         store.plan(evicted)
-    if hosted and not (isinstance(store, AcceptorStore) and store.transfers == hosted):
-        raise ValueError(f"--pipeline-schedule {schedule.name}: rank {rank} hosts stashes of rank "
-                         f"{next(r for r, acts in enumerate(schedule.actions) if hosted[0] in acts)} (BPipe), which "
-                         f"needs an AcceptorStore serving those transfers (build_pipeline makes one), got "
+    if hosted and not isinstance(store, AcceptorStore):
+        raise ValueError(f"--pipeline-schedule {schedule.name}: rank {rank} hosts stashes of rank {hosted[0].peer} "
+                         f"(BPipe), which needs an AcceptorStore (build_pipeline makes one), got "
                          f"{type(store).__name__}")
+    if hosted:
+        store.max_guests = hosting_bound(schedule.actions[rank])
+

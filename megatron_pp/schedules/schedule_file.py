@@ -36,7 +36,7 @@ import re
 from typing import Optional
 
 from megatron_pp.schedules.comm import insert_communication
-from megatron_pp.schedules.ir import COMM_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import COMM_OPS, HOSTING_OPS, Action, Op, Schedule, ScheduleError
 from megatron_pp.schedules.validate import validate
 
 JSON_FORMAT = "megatron_pp.schedule/1"
@@ -177,7 +177,9 @@ def read_schedule_file(path: str) -> Schedule:
 
 
 def _compute_only(schedule: Schedule) -> Schedule:
-    return dataclasses.replace(schedule, actions=[[a for a in acts if a.op not in COMM_OPS] for acts in schedule.actions])
+    # BPipe's ACCEPT/RETURN are the acceptor's communication: insert_communication places them again.
+    return dataclasses.replace(schedule, actions=[[a for a in acts if a.op not in COMM_OPS and a.op not in HOSTING_OPS]
+                                                  for acts in schedule.actions])
 
 
 def build_schedule_from_file(path: str, *, num_ranks: Optional[int] = None, num_microbatches: Optional[int] = None,

@@ -22,8 +22,10 @@ done) and lasts `CostModel.transfer_time`. Accounting (ours; docs/schedules.md, 
 sources"): a stash stops counting as resident when its outbound copy *completes* (never when it
 starts), counts again from the *start* of the copy back (the buffer is allocated then), and its backward
 waits for that copy to finish. The `parked` curve counts stashes held off-device (in host memory or on
-the peer). A peer transfer also shows on the peer: its buffer counts there from the start of the EVICT
-until the LOAD has delivered the stash back. A forward waits for the EVICTs issued before it (the
+the peer). A peer transfer also needs the peer: an EVICT starts no earlier than the acceptor's ACCEPT
+is posted and a LOAD no earlier than its RETURN (posting either costs the acceptor's compute nothing),
+and the hosted stash counts on the acceptor from its ACCEPT (the buffers are allocated there) until the
+LOAD has delivered it back. A forward waits for the EVICTs issued before it (the
 executor frees their memory before it allocates), so an evicting rank never holds its bound plus two. With `CostModel.stash_bytes` the curves are also
 weighed in bytes (`SimResult.peak_bytes`, guests at their owner's size) and, with `peer_bandwidth`,
 EVICT/LOAD take bytes / bandwidth.
@@ -34,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
 from megatron_pp.schedules.comm import Link, Wakeups, link_slots
-from megatron_pp.schedules.ir import (COMPUTE_OPS, RETURN_TRANSFER, TRANSFER_OPS, Action, Op, Schedule,
-                                      ScheduleError)
+from megatron_pp.schedules.ir import (COMPUTE_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, TRANSFER_OPS, Action, Op,
+                                      Schedule, ScheduleError)
 
 MeasuredCosts = Union[Mapping[tuple[Op, int], float], Callable[[Op, int], float]]
 
@@ -203,6 +205,8 @@ class _RankState:
     evicted_at: float = 0.0
     """When this rank's EVICTs issued so far have completed: a forward starts no earlier (the executor
     frees an evicted stash before the next forward allocates, see peer_store.PeerStore)."""
+    hosting: dict[tuple[Op, int, int], tuple[float, int]] = field(default_factory=dict)
+    """(ACCEPT or RETURN, microbatch, chunk) posted by this rank (an acceptor) -> (when, timeline index)."""
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
@@ -231,7 +235,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         i, n = pos[rank], len(acts)
         while i < n:
             if slots[i] is None:
-                _run_local(schedule, rank, i, acts[i], durations, states)
+                if not _run_local(schedule, rank, i, acts[i], durations, states):
+                    break  # a parking transfer whose partner has not posted its side yet
+                if acts[i].op in HOSTING_OPS:
+                    wakeups.wake(acts[i].peer)  # its EVICT or LOAD may go now
                 i += 1
                 continue
             end = i
@@ -302,13 +309,23 @@ class _Durations:
 
 
 def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durations: _Durations,
-               states: list[_RankState]) -> None:
-    """Run one non-communication action of `rank`: compute on its compute stream, a transfer on a lane."""
+               states: list[_RankState]) -> bool:
+    """Run one non-communication action of `rank`: compute on its compute stream, a transfer on a lane.
+    Returns False, doing nothing, for an EVICT or LOAD whose ACCEPT or RETURN the peer has not posted yet."""
     state = states[rank]
     op = action.op
+    costs = durations.costs
+    if op in HOSTING_OPS:
+        state.hosting[op, action.microbatch, action.chunk] = (state.clock, len(state.timeline))
+        state.timeline.append((action, state.clock, state.clock))  # ends when the transfer does (patched then)
+        if op is Op.ACCEPT:  # the receive buffer exists from the post on
+            state.ledger.change(state.clock, +1, costs.stash_size(schedule.stage_of(action.peer, action.chunk)))
+        return True
     if op in TRANSFER_OPS:
-        _run_transfer(schedule, rank, index, action, durations.costs, states)
-        return
+        if op in PARTNER_OP and (PARTNER_OP[op], action.microbatch, action.chunk) not in states[action.peer].hosting:
+            return False
+        _run_transfer(schedule, rank, index, action, costs, states)
+        return True
     start = state.clock
     if op in COMPUTE_OPS:
         key = (action.microbatch, action.chunk)
@@ -334,6 +351,7 @@ def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durati
         duration = 0.0
     state.clock = start + duration
     state.timeline.append((action, start, start + duration))
+    return True
 
 
 def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, costs: CostModel,
@@ -346,6 +364,11 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
     duration = costs.transfer_time(action.op, stage, schedule.options.get("offload_time"))
     size = costs.stash_size(stage)
     start = max(state.clock, state.lanes.get(lane, 0.0))
+    partner = None
+    if action.op in PARTNER_OP:  # the acceptor's ACCEPT / RETURN is posted (simulate checked)
+        partner = states[action.peer]
+        posted, partner_index = partner.hosting.pop((PARTNER_OP[action.op], action.microbatch, action.chunk))
+        start = max(start, posted)
     if action.op in RETURN_TRANSFER:
         if key in state.away:
             raise ScheduleError(f"rank {rank}, action {index} ({action}): stash already sent away by "
@@ -355,7 +378,6 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
         state.ledger.change(end, -1, size)  # device memory is free only once the copy has completed
         state.parked.change(end, +1)
         if action.op is Op.EVICT:
-            states[action.peer].ledger.change(start, +1, size)  # the peer's receive buffer
             state.evicted_at = max(state.evicted_at, end)
     else:
         outbound = next(op for op, back in RETURN_TRANSFER.items() if back is action.op)
@@ -372,3 +394,6 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
     state.lanes[lane] = end
     state.transfer_busy += duration
     state.timeline.append((action, start, end))
+    if partner is not None:
+        hosted, posted, _ = partner.timeline[partner_index]
+        partner.timeline[partner_index] = (hosted, posted, end)

@@ -7,17 +7,22 @@ isolation (one F and one backward per (microbatch, chunk), backward after forwar
 computed before use, results sent after they exist, gradients reduced after the last backward (of each
 group of `microbatches_per_reduction` microbatches, when the schedule sets that option), at most
 two live weight versions, stashes parked off-device only between their F and their backward and back
-before it, peer parking in disjoint pairs); and a replay of all ranks under blocking (rendezvous) semantics finishes,
-which together with the previous checks proves every cross-rank data dependency is met. Failures raise
+before it, peer parking in disjoint pairs, a hosted stash returned once after it was accepted); and a replay of
+all ranks under blocking (rendezvous) semantics finishes, which together with the previous checks proves every
+cross-rank data dependency is met. BPipe's parking takes part in the link and replay checks: each EVICT is
+matched by an ACCEPT and each LOAD by a RETURN on the partner, in the same order on both sides of each pair
+group, and the replay treats every one of them as a blocking operation of its own, so the lists cannot
+deadlock even where every NCCL operation holds its rank's device queue until the peer joins. Failures raise
 `ScheduleError` naming the rank, the index in its list and the action.
 """
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from megatron_pp.schedules.comm import Message, RendezvousReplay, expected_peer, forward_neighbours, message_of
-from megatron_pp.schedules.ir import (COMM_OPS, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS, Action, Op, Schedule,
-                                      ScheduleError)
+from megatron_pp.schedules.comm import (PARKING_SENDS, Message, RendezvousReplay, expected_peer,
+                                        forward_neighbours, link_of, message_of)
+from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS,
+                                      Action, Op, Schedule, ScheduleError)
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -32,12 +37,14 @@ def validate(schedule: Schedule) -> None:
     _check_links(schedule)
     for rank in range(schedule.num_ranks):
         _check_rank(schedule, rank)
+    _check_parking_links(schedule)
     _check_deadlock(schedule)
 
 
 def _check_fields(schedule: Schedule) -> None:
     m, v, p = schedule.num_microbatches, schedule.num_chunks, schedule.num_ranks
     parks_on = _parking_peers(schedule)
+    hosts_for: dict[int, int] = {}
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.microbatch is not None and a.microbatch >= m:
@@ -55,6 +62,21 @@ def _check_fields(schedule: Schedule) -> None:
                     raise _error(rank, i, a, f"the neighbouring stage lives on rank {peer}, not {a.peer}")
             if a.op in TRANSFER_OPS:
                 _check_transfer(rank, i, a, parks_on)
+            elif a.op in HOSTING_OPS:
+                _check_hosting(rank, i, a, parks_on, hosts_for)
+
+
+def _check_hosting(rank: int, index: int, action: Action, parks_on: dict[int, list[int]],
+                   hosts_for: dict[int, int]) -> None:
+    """An ACCEPT/RETURN names the one rank that parks its stashes here."""
+    peer = action.peer
+    if parks_on.get(peer, [None])[0] != rank:
+        raise _error(rank, index, action, f"rank {peer} parks no stashes on rank {rank} (no EVICT or LOAD of it "
+                                          f"names rank {rank})")
+    first = hosts_for.setdefault(rank, peer)
+    if first != peer:
+        raise _error(rank, index, action, f"hosts stashes of rank {peer} but already hosts rank {first}'s; an "
+                                          "acceptor hosts one evictor")
 
 
 def _parking_peers(schedule: Schedule) -> dict[int, list[int]]:
@@ -70,9 +92,8 @@ def _parking_peers(schedule: Schedule) -> dict[int, list[int]]:
 def _check_transfer(rank: int, index: int, action: Action, parks_on: dict[int, list[int]]) -> None:
     """Field rules of stash transfers; their order rules (between F and backward, back before it) are in
     `_check_rank`. OFFLOAD/RELOAD need nothing more. EVICT/LOAD (BPipe) also involve the acceptor, whose
-    list has no action for them: it serves its evictor's transfers in the evictor's order on their own link
-    (`peer_store.AcceptorStore`). That is deadlock-free and bounded only when parking pairs are disjoint:
-    the evictor parks on one peer, the peer hosts for no one else and parks nothing of its own."""
+    ACCEPT/RETURN serve them on the pair's own groups; the stores hold one partner each, so parking pairs
+    are disjoint: the evictor parks on one peer, the peer hosts for no one else and parks nothing of its own."""
     if action.op not in (Op.EVICT, Op.LOAD):
         return
     peer, first = action.peer, parks_on[rank][0]
@@ -129,9 +150,23 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     num_groups = -(-schedule.num_microbatches // group)
     parked: dict[tuple[int, int], tuple[Action, int]] = {}  # stash off the device -> (its transfer, index)
     returned: set[tuple[int, int]] = set()
+    hosted: dict[tuple[int, int], int] = {}  # a partner's stash accepted here and not yet returned -> index
+    given_back: dict[tuple[int, int], int] = {}
 
     for i, a in enumerate(acts):
         key = (a.microbatch, a.chunk)
+        if a.op is Op.ACCEPT:
+            if key in hosted or key in given_back:
+                raise _error(rank, i, a, f"stash {key[0]}.{key[1]} of rank {a.peer} is accepted a second time")
+            hosted[key] = i
+            continue
+        if a.op is Op.RETURN:
+            if key not in hosted:
+                raise _error(rank, i, a, f"returns stash {key[0]}.{key[1]} to rank {a.peer} before accepting it "
+                                         f"(no ACCEPT{key[0]}.{key[1]}<{a.peer} earlier in this list)")
+            given_back[key] = i
+            del hosted[key]
+            continue
         if parked and a.op in (Op.B, Op.BI, Op.BW) and key in parked:
             away, at = parked[key]
             back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
@@ -207,6 +242,9 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     if parked:
         (mb, chunk), (away, at) = next(iter(parked.items()))
         raise _error(rank, at, away, f"stash {mb}.{chunk} never comes back")
+    if hosted:
+        (mb, chunk), at = next(iter(hosted.items()))
+        raise _error(rank, at, acts[at], f"hosted stash {mb}.{chunk} is never returned to rank {acts[at].peer}")
     for mb in range(schedule.num_microbatches):
         for chunk in range(schedule.num_chunks):
             key = (mb, chunk)
@@ -287,8 +325,34 @@ def _check_links(schedule: Schedule) -> None:
                                      f"from rank {link[0]}")
 
 
+def _check_parking_links(schedule: Schedule) -> None:
+    """Every EVICT has its ACCEPT and every LOAD its RETURN on the partner, the k-th on one side matching the
+    k-th on the other (a pair group matches operations in posting order, as NCCL does)."""
+    sides: dict[tuple[tuple, bool], list[tuple[int, int, Action]]] = defaultdict(list)
+    for rank, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.op in PARTNER_OP:
+                sides[link_of(rank, a), a.op in PARKING_SENDS].append((rank, i, a))
+    for link in sorted({link for link, _ in sides}):
+        out, into = sides.get((link, True), []), sides.get((link, False), [])
+        for k in range(max(len(out), len(into))):
+            if k >= len(out) or k >= len(into):
+                rank, i, a = (out if k < len(out) else into)[k]
+                partner = Action(PARTNER_OP[a.op], a.microbatch, a.chunk, rank)
+                raise _error(rank, i, a, f"rank {a.peer} has no matching {partner} (the {link[2]} group of ranks "
+                                         f"{link[0]} -> {link[1]} has {len(out)} send(s), {len(into)} receive(s))")
+            (s_rank, s_i, s_a), (r_rank, r_i, r_a) = out[k], into[k]
+            if (s_a.microbatch, s_a.chunk) != (r_a.microbatch, r_a.chunk):
+                evictor_side = (s_rank, s_i, s_a) if s_a.op is Op.EVICT else (r_rank, r_i, r_a)
+                other = (r_rank, r_i, r_a) if s_a.op is Op.EVICT else (s_rank, s_i, s_a)
+                raise _error(other[0], other[1], other[2],
+                             f"is operation #{k} on the {link[2]} group of ranks {link[0]} and {link[1]}, where rank "
+                             f"{evictor_side[0]} posts {evictor_side[2]} (action {evictor_side[1]}): the two sides "
+                             "must list these transfers in the same order")
+
+
 def _check_deadlock(schedule: Schedule) -> None:
-    blocked = RendezvousReplay([list(acts) for acts in schedule.actions]).run()
+    blocked = RendezvousReplay([list(acts) for acts in schedule.actions], parking=True).run()
     if blocked:
         first = blocked[0]
         index, action = first.waiting[0]

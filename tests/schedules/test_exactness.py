@@ -353,10 +353,20 @@ def test_exact_bpipe(case):
     results = run_distributed(tp * pp, pipeline_run, preset, pp, tp, pp, "bpipe", m, 1, sp, options)
     ref_loss, ref_grads = _reference_cached(preset, pp, MICRO_BATCH * m)
     check(results, ref_loss, ref_grads, case)
-    # The parking really ran: every rank's measured resident peak is the simulated one.
-    sim = simulate(build_schedule("bpipe", pp, m, **options))
-    assert {(r["pp_rank"], r["peak_count"]) for r in results} == set(enumerate(sim.peak_stash))
-    assert sim.peak_parked[0] > 0
+    # The parking really ran: every rank's measured resident peak is the simulated one, except on the
+    # ranks that host, whose guests leave when the partner's LOAD takes them (timing): there, the bound.
+    from megatron_pp.schedules.runtime import hosting_bound, runtime_needs
+
+    schedule = build_schedule("bpipe", pp, m, **options)
+    sim = simulate(schedule)
+    hosts = runtime_needs(schedule).hosting_ranks
+    assert hosts and sim.peak_parked[0] > 0
+    for r in results:
+        rank = r["pp_rank"]
+        if rank in hosts:
+            assert r["peak_count"] <= min(pp - rank, m) + hosting_bound(schedule.actions[rank]), r
+        else:
+            assert r["peak_count"] == sim.peak_stash[rank], r
 
 
 @pytest.mark.parametrize("tp, pp, m, split, sharding, v", [

@@ -23,6 +23,8 @@ EXAMPLES = {
     "RELOAD3.1": Action(Op.RELOAD, 3, 1),
     "EVICT3.1>2": Action(Op.EVICT, 3, 1, peer=2),
     "LOAD3.1<2": Action(Op.LOAD, 3, 1, peer=2),
+    "ACCEPT3.1<0": Action(Op.ACCEPT, 3, 1, peer=0),
+    "RETURN3.1>0": Action(Op.RETURN, 3, 1, peer=0),
     "REDUCE_GRAD.1": Action(Op.REDUCE_GRAD, chunk=1),
     "STEP": Action(Op.STEP),
     "F3.1@1": Action(Op.F, 3, 1, version=1),
@@ -47,6 +49,7 @@ def test_every_op_has_an_example():
 @pytest.mark.parametrize("text", [
     "", "F", "F3", "3.1", "X3.1", "f3.1", "F3.1.2", "F-1.0", "F03.1", "F3.1>2", "SEND_F3.1<2", "RECV_B3.1>2",
     "SEND_F3.1", "REDUCE_GRAD3.1", "REDUCE_GRAD", "STEP.0", "STEP3", "F3.1@", "F3.1@x", "BX3.1", "LOAD3.1>2",
+    "ACCEPT3.1>0", "RETURN3.1<0", "ACCEPT3.1", "RETURN.1>0",
 ])
 def test_malformed_text_raises_naming_it(text):
     with pytest.raises(ValueError, match="cannot parse action") as err:

@@ -208,14 +208,16 @@ def test_peer_transfers_count_on_both_ranks():
     # EVICT/LOAD (BPipe's) share the timing and memory model; their pairing rules are in test_bpipe.py.
     s = Schedule("hand", 2, 1, 1, looped_placement(2, 1),
                  [[Action.parse(t) for t in "F0.0 EVICT0.0>1 LOAD0.0<1 B0.0".split()],
-                  [Action.parse(t) for t in "F0.0 B0.0".split()]])
+                  [Action.parse(t) for t in "ACCEPT0.0<0 RETURN0.0>0 F0.0 B0.0".split()]])
     result = simulate(s, CostModel(transfer=1.0))
     assert [(str(a), st, en) for a, st, en in result.timeline[0]] == [
         ("F0.0", 0, 1), ("EVICT0.0>1", 1, 2), ("LOAD0.0<1", 2, 3), ("B0.0", 3, 5)]
+    # The acceptor's side: posted at once, each ending with the transfer it serves.
+    assert [(str(a), st, en) for a, st, en in result.timeline[1][:2]] == [("ACCEPT0.0<0", 0, 2),
+                                                                          ("RETURN0.0>0", 0, 3)]
     assert result.memory[0] == [(0.0, 0), (0, 1), (2, 0), (2, 1), (5, 0)]
-    # Rank 1: its own stash F0.0 0..B end 3, plus the guest from the start of the EVICT to the end of the LOAD.
-    assert result.memory[1] == [(0.0, 0), (0, 1), (1, 2), (3, 1), (3, 0)]
-    validate(insert_communication(s))
+    # Rank 1: the guest from its ACCEPT (the buffers) to the end of the LOAD, its own stash F0.0 0..B end 3.
+    assert result.memory[1] == [(0.0, 0), (0, 1), (0, 2), (3, 1), (3, 0)]
 
 
 # Validator rules -----------------------------------------------------------------------------------------
