@@ -59,7 +59,7 @@ COVERING: dict[str, list[str]] = {
                                           "tests/schedules/test_simulate_properties.py"],
     "megatron_pp/schedules/execute.py": ["tests/schedules/test_exactness.py::test_exact_world2",
                                          f"{EDGES}::test_one_step_gradients_at_odd_sizes"],
-    "megatron_pp/schedules/store.py": ["tests/schedules/test_offload_store.py",
+    "megatron_pp/schedules/store.py": ["tests/schedules/test_store.py", "tests/schedules/test_offload_store.py",
                                        "tests/schedules/test_exactness.py::test_measured_stash_peaks_match_simulator"],
     "megatron_pp/schedules/offload_store.py": ["tests/schedules/test_offload_store.py",
                                                "tests/schedules/test_offload_exec.py"],

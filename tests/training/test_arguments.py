@@ -248,3 +248,11 @@ def test_rope_fusion_needs_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert any("--apply-rope-fusion needs CUDA" in e for e in errors_of(BASE + ["--apply-rope-fusion"]))
+
+
+@pytest.mark.parametrize("flag", ["--lr-warmup-iters", "--lr-decay-iters", "--lr-wsd-decay-iters"])
+def test_iteration_lr_flags_are_refused_when_the_run_counts_samples(flag):
+    # A run counted in samples builds its LR schedule from the *-samples flags: an *-iters one would be
+    # dropped without a word, so it is refused by name.
+    errors = errors_of(["--model-preset", "gpt-tiny", "--mock-data", "--train-samples", "64", flag, "4"])
+    assert any(e.startswith(f"{flag} needs --train-iters (this run counts --train-samples") for e in errors), errors

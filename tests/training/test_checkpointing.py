@@ -318,3 +318,19 @@ def test_rank_bound_state_needs_the_same_placement_not_only_the_same_pp():
     assert checkpointing._same_ranks(saved, run(2, [(0, 0), (1, 0), (0, 1), (1, 1)]))
     assert not checkpointing._same_ranks(saved, run(2, [(0, 0), (1, 0), (1, 1), (0, 1)]))
     assert not checkpointing._same_ranks(saved, run(4, [(0, 0), (1, 0), (2, 0), (3, 0)]))
+
+
+def test_every_byte_reaches_the_os_before_the_fsync(tmp_path, monkeypatch):
+    """A shard is flushed from Python's buffer before its fsync, or a crash right after the "durable"
+    write could leave a short file that the tracker then points at."""
+    sizes = []
+    real_fsync = checkpointing.os.fsync
+
+    def fsync(fd):
+        sizes.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpointing.os, "fsync", fsync)
+    path = str(tmp_path / "shard.pt")
+    checkpointing._save_file({"weights": list(range(5000))}, path)
+    assert sizes == [os.path.getsize(path)]
