@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import split_layers
+from megatron_pp.planning.cost import resident_peaks
 from megatron_pp.planning.memory import CPU_FP32, attention_kind, stash_bytes
 from megatron_pp.planning.papers.common import PaperReport, Trend, relative_error
 from megatron_pp.schedules.registry import build_schedule
@@ -58,13 +59,14 @@ def predicted_stash_peaks(config: TransformerConfig, name: str, pp: int, m: int,
                           micro_batch: int, recompute: str = "none") -> list[float]:
     """Per rank, the simulator's peak resident stash bytes for the CPU fp32 executor: the stash curve of
     the schedule weighed with `stash_bytes` per global stage (transfers instant, as they are synchronous on
-    CPU; the attention formula follows the config's backend on CPU)."""
+    CPU; the attention formula follows the config's backend on CPU), BPipe's acceptors at their hosting bound."""
     schedule = build_schedule(name, pp, m, v, **options) if v > 1 else build_schedule(name, pp, m, **options)
     specs = split_layers(config.num_layers, pp, v)
     attention = attention_kind(config.attention_backend, "cpu", config.attention_dropout)
     stash = [stash_bytes(config, s, micro_batch, attention=attention, recompute=recompute, numerics=CPU_FP32)
              for s in specs]
-    return list(simulate(schedule, CostModel(stash_bytes=stash, transfer=0.0)).peak_bytes)
+    # A BPipe acceptor frees a guest at its partner's pace: charged its list's hosting bound, as the planner does.
+    return resident_peaks(schedule, simulate(schedule, CostModel(stash_bytes=stash, transfer=0.0)), stash)
 
 
 def simulated_bubble(name: str, pp: int, m: int, v: int, options: Optional[dict] = None) -> float:
