@@ -111,3 +111,12 @@ def test_loss_spikes_are_marked_and_logged():
 def test_loss_spike_flag_in_a_real_run_marks_nothing_on_a_smooth_curve():
     rows = pretrain(parse_args(TINY + ["--train-iters", "4", "--loss-spike-factor", "5", "--loss-spike-window", "2"]))
     assert [r["loss_spike"] for r in rows] == [False, False, False, False]
+
+
+def test_a_short_window_judges_from_two_losses_on():
+    # Half of a window of 4 is 2: the third step is the first judged, against the median of two.
+    fake, log = _spike_checker(3.0, 4)
+    rows = [{"iteration": i + 1, "loss": loss, "skipped": False} for i, loss in enumerate([4.0, 3.8, 40.0])]
+    assert all(Trainer.check_numerics(fake, row) is None for row in rows)
+    assert [r["loss_spike"] for r in rows] == [False, False, True]
+    assert log and log[0].startswith("warning: loss spike at iteration 3: 40.0000 is 10.3x the median 3.9000")
