@@ -490,7 +490,7 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
     stash counts on its peer from the peer's ACCEPT until the LOAD has delivered it back. Events of a
     rank's own actions at equal times keep list order, as the simulator records them; a peer's events
     at equal times are taken pessimistically (arrivals first, departures last). With unit bytes this
-    reproduces `SimResult.peak_stash` (tested).
+    reproduces `SimResult.peak_stash` on every rank that hosts no guests (tested).
 
     A rank that hosts a peer's stashes allocates them at its ACCEPT but frees them only when the peer's
     LOAD has taken them back (`schedules.peer_store.AcceptorStore`), which on a real machine depends on

@@ -95,7 +95,7 @@ def agree_on_usage_errors(lines: Sequence[str], store: Optional[object], rank: i
                 print_error(line)
         elif first[line]:
             print_error(_attributed(line, rank, count))
-    _leave_together(store, prefix, world_size)
+    _leave_together(store, prefix, world_size, rank)
     # Not sys.exit: tearing down an interpreter with torch loaded takes a while, and Python restores the
     # default SIGTERM action for it, so the agent's SIGTERM would turn this rank's status into -15.
     sys.stdout.flush()
@@ -103,18 +103,22 @@ def agree_on_usage_errors(lines: Sequence[str], store: Optional[object], rank: i
     os._exit(EXIT_USAGE)
 
 
-def _leave_together(store: object, prefix: str, expected: int, timeout_s: float = 10.0) -> None:
+def _leave_together(store: object, prefix: str, expected: int, rank: int, timeout_s: float = 10.0) -> None:
     """Wait (bounded) until the `expected` ranks that print or stay silent here are all done. A rank that
     left early would hand its launcher a reason to stop the others (srun --kill-on-bad-exit, the torchrun
-    agent) before one of them printed the line, and rank 0 of a plain launch hosts the store itself."""
+    agent) before one of them printed the line. Rank 0 of a plain launch hosts the store itself, so it
+    leaves last, after every other rank's final call: a rank still talking to a store whose host is gone
+    gets torch's broken-connection warnings on its stderr, beside the one line it was meant to show."""
     deadline = time.monotonic() + timeout_s
     try:
-        if store.add(f"{prefix}done", 1) >= expected:
-            return
-        while time.monotonic() < deadline:
-            if store.add(f"{prefix}done", 0) >= expected:
-                return
+        store.add(f"{prefix}done", 1)
+        while store.add(f"{prefix}done", 0) < expected and time.monotonic() < deadline:
             time.sleep(0.02)
+        left = store.add(f"{prefix}left", 1)
+        if rank == 0:
+            while left < expected and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = store.add(f"{prefix}left", 0)
     except Exception:  # the store's host left first: everything that needed it has been said
         return
 
@@ -150,5 +154,5 @@ def report_runtime_error(line: str, store: Optional[object], rank: int, world_si
         return
     if printer == rank:
         print_error(line if count == world_size else _attributed(line, rank, count))
-    _leave_together(store, key, count)
+    _leave_together(store, key, count, rank)
 
