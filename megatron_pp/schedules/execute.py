@@ -68,6 +68,30 @@ FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
 """What a forward-only run (evaluation) keeps of a list."""
 
 
+@dataclass(frozen=True)
+class ReceivePlan:
+    """Which receives of an action list are posted ahead (gloo): `first`, the first receive of every
+    incoming link, posted when a run starts; `after[i]`, the next receive on the link of receive i, posted
+    once receive i has been. Indices are positions in the list."""
+
+    first: tuple[int, ...]
+    after: Mapping[int, int]
+
+    @classmethod
+    def of(cls, actions: Sequence[Action]) -> "ReceivePlan":
+        first: list[int] = []
+        after: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for index, a in enumerate(actions):
+            if a.op is Op.RECV_F or a.op is Op.RECV_B:
+                if a.peer in last:
+                    after[last[a.peer]] = index
+                else:
+                    first.append(index)
+                last[a.peer] = index
+        return cls(tuple(first), after)
+
+
 @dataclass
 class StepResult:
     loss_sum: Optional[torch.Tensor]  # sum of masked per-token losses over my microbatches (last stage)
@@ -171,6 +195,14 @@ class PipelineExecutor:
         self._next = [schedule.location(s + 1) if s < last else None for s in self._stage]
         self._prev = [schedule.location(s - 1) if s > 0 else None for s in self._stage]
         self._is_last = [s == last for s in self._stage]
+        # Derived once per action list, not per step: the rank's list is fixed for the run. Entries hold
+        # their list, so an id is not reused while its entry lives; the few lists a run passes (its own,
+        # its forward-only view, 2BW's per-call segments) are kept most recent first, a bounded number.
+        self._plans: dict[int, tuple[Sequence[Action], ReceivePlan]] = {}
+        self._forward_views: dict[int, tuple[Sequence[Action], list[Action]]] = {}
+        self._receive_plan(self.actions)
+
+    _PLANS_KEPT = 8
 
     def _install(self, hooks: ExecutorHooks) -> None:
         for op in (Op.F, Op.B, Op.BI, Op.BW):
@@ -222,8 +254,8 @@ class PipelineExecutor:
 
         actions, i = (self.actions if segment is None else segment), 0
         if forward_only:
-            actions = [a for a in actions if a.op in FORWARD_OPS]
-        self._plan_receives(actions)
+            actions = self._forward_view(actions)
+        self._post_first_receives(actions)
         while i < len(actions):
             start = time.perf_counter() - t0 if self.trace else 0.0
             first = i
@@ -387,25 +419,39 @@ class PipelineExecutor:
             self.reduce_grad_hook(action.chunk)
 
     # Communication ----------------------------------------------------------------------------------------
-    def _plan_receives(self, actions: Sequence[Action]) -> None:
+    @staticmethod
+    def _remember(cache: dict, actions: Sequence[Action], derive: Callable) -> object:
+        entry = cache.pop(id(actions), None)
+        if entry is None or entry[0] is not actions:
+            entry = (actions, derive(actions))
+            while len(cache) >= PipelineExecutor._PLANS_KEPT:
+                cache.pop(next(iter(cache)))
+        cache[id(actions)] = entry  # re-inserted: the dict's order is least recently used first
+        return entry[1]
+
+    def _receive_plan(self, actions: Sequence[Action]) -> ReceivePlan:
+        return self._remember(self._plans, actions, ReceivePlan.of)
+
+    def _forward_view(self, actions: Sequence[Action]) -> list[Action]:
+        """What a forward-only run of `actions` keeps (derived once per list)."""
+        return self._remember(self._forward_views, actions,
+                              lambda acts: [a for a in acts if a.op in FORWARD_OPS])
+
+    def _post_first_receives(self, actions: Sequence[Action]) -> None:
         """Where batches are not needed (gloo), keep the next receive of every incoming link posted ahead:
         its data then flows while this rank computes, instead of after its consumer is reached. Receives
         on a link match in posting order, so the next one is posted only after the one before it (at the
         start for the first, right after its predecessor is posted for the others); it holds one
         activation-sized buffer per incoming link early. On NCCL every receive is posted with its batch,
         in the validated order."""
-        self._next_receive: dict[int, int] = {}  # index of a receive -> the next receive from its peer
         self._posted_ahead: set[int] = set()
         if self.comm is None or self.comm.batched:
+            self._next_receive: Mapping[int, int] = {}
             return
-        last: dict[int, int] = {}
-        for index, a in enumerate(actions):
-            if a.op is Op.RECV_F or a.op is Op.RECV_B:
-                if a.peer in last:
-                    self._next_receive[last[a.peer]] = index
-                else:
-                    self._post_ahead(actions, index)
-                last[a.peer] = index
+        plan = self._receive_plan(actions)
+        self._next_receive = plan.after
+        for index in plan.first:
+            self._post_ahead(actions, index)
 
     def _post_ahead(self, actions: Sequence[Action], index: int) -> None:
         a = actions[index]
