@@ -117,7 +117,7 @@ def _world(size: int) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def validate(config: Config, flags: Sequence[str], world: int) -> list[str]:
+def validate(config: Config, flags: Sequence[str], world: int, this_machine: bool) -> list[str]:
     from megatron_pp.training.arguments import build_parser, validate_args
 
     default = "llama-tiny" if "llama" in config.script else "gpt-tiny"
@@ -128,7 +128,8 @@ def validate(config: Config, flags: Sequence[str], world: int) -> list[str]:
             return [str(exc)]
         if args.model_preset is None and args.num_layers is None:
             args.model_preset = default
-        return validate_args(args)
+        # The full size runs on the cluster: what it needs from a machine (CUDA, flash-attn) is not checked here.
+        return validate_args(args, this_machine=this_machine)
 
 
 def command(config: Config, flags: Sequence[str], scale: str) -> list[str]:
@@ -170,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed = False
     for variant in chosen:
         flags = variant_flags(config, variant, args.scale, sets)
-        errors = validate(config, flags, world)
+        errors = validate(config, flags, world, this_machine=args.scale == "tiny")
         if errors:
             failed = True
             for line in errors:

@@ -145,7 +145,7 @@ def refusal(job: Job, cluster: Cluster, c: Configuration) -> Optional[str]:
     from megatron_pp.training.arguments import build_parser, validate_args
 
     flags = launch_flags(job, c) + ["--mock-data", "--train-iters", "1"]
-    errors = validate_args(build_parser().parse_args(flags), world_size=cluster.num_gpus)
+    errors = validate_args(build_parser().parse_args(flags), world_size=cluster.num_gpus, this_machine=False)
     return errors[0] if errors else None
 
 

@@ -42,6 +42,11 @@ def _flash_attn_module() -> Optional[ModuleType]:
         return None
 
 
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package imports here (argument validation refuses `flash` up front without it)."""
+    return _flash_attn_module() is not None
+
+
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """The concrete backend `attention` would use for `q` ('auto' resolved)."""
     if backend not in BACKENDS:

@@ -498,8 +498,6 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
 
 def _check_optimizer_and_precision(args: argparse.Namespace) -> list[str]:
     errors = []
-    if getattr(args, "apply_rope_fusion", False) and not torch.cuda.is_available():
-        errors.append("--apply-rope-fusion needs CUDA (the CPU path runs the op-by-op rotation)")
     for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
         if not 0.0 <= getattr(args, name) < 1.0:
             errors.append(f"{flag(name)} must be in [0, 1), got {getattr(args, name)}")
@@ -779,6 +777,40 @@ def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[Transfor
     return errors, config
 
 
+def _flash_flag(args: argparse.Namespace, config: Optional[TransformerConfig]) -> Optional[str]:
+    """The flag that asks for flash-attn kernels (as the user spelled it), or None."""
+    if args.use_flash_attn:
+        return "--use-flash-attn"
+    if args.attention_backend == "flash" or (config is not None and config.attention_backend == "flash"):
+        return "--attention-backend flash"
+    return None
+
+
+def _check_flash_precision(args: argparse.Namespace, config: Optional[TransformerConfig]) -> list[str]:
+    flash = _flash_flag(args, config)
+    if flash is not None and not (args.bf16 or args.fp16):
+        return [f"{flash} needs --bf16 or --fp16 (flash-attn kernels take only half-precision tensors)"]
+    return []
+
+
+def _check_this_machine(args: argparse.Namespace, config: Optional[TransformerConfig]) -> list[str]:
+    """What the flags need from the machine that runs them: CUDA and the flash-attn package. Without this
+    check a missing kernel is found at the first forward, after the model, optimizer and data are built."""
+    from megatron_pp.models import attention
+
+    errors = []
+    cuda = torch.cuda.is_available()
+    if getattr(args, "apply_rope_fusion", False) and not cuda:
+        errors.append("--apply-rope-fusion needs CUDA (the CPU path runs the op-by-op rotation)")
+    flash = _flash_flag(args, config)
+    if flash is not None and not cuda:
+        errors.append(f"{flash} needs CUDA (flash-attn has no CPU kernels); use --attention-backend auto or sdpa")
+    elif flash is not None and not attention.flash_attn_available():
+        errors.append(f"{flash}: the flash-attn package does not import here (pip install flash-attn), "
+                      f"or use --attention-backend auto or sdpa")
+    return errors
+
+
 def _fixed_placement(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
     """The stage placement of a schedule with a fixed chunk count (the V shapes), for the layer split; None
     (the interleaved placement) for the others, and when the schedule cannot be built (reported elsewhere)."""
@@ -792,12 +824,15 @@ def _fixed_placement(args: argparse.Namespace) -> Optional[list[tuple[int, int]]
         return None
 
 
-def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> list[str]:
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,
+                  this_machine: bool = True) -> list[str]:
     """Every problem with the arguments, one line each (empty list: fine). Reads no data and builds no model
     or process group; it does build the job's action lists (pure and quick), so a schedule that cannot run
     at these sizes is refused here.
 
-    `world_size` stands in for the launcher's (tools that check a configuration for another job size)."""
+    `world_size` stands in for the launcher's (tools that check a configuration for another job size).
+    `this_machine` (default) also checks that this machine has what the flags need (CUDA, flash-attn);
+    tools that check a configuration meant for other machines (a cluster's launch script, a plan) pass False."""
     world = _world_size() if world_size is None else world_size
     errors = _check_parallel_and_batch(args, world)
     errors += _check_length_and_lr(args)
@@ -811,6 +846,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     errors += schedule_errors
     errors += _check_sharding(args, schedule)
     errors += model_errors
+    errors += _check_flash_precision(args, config)
+    if this_machine:
+        errors += _check_this_machine(args, config)
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
     if not errors:

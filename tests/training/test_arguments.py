@@ -240,7 +240,7 @@ def test_launch_examples_pass_validation(tmp_path, monkeypatch, script, world):
     args = build_parser().parse_args(flags)
     assert args.data_path == [str(tmp_path / "corpus")] and args.save == str(tmp_path / "ckpt")
     assert args.num_layers == {"gpt3_175b.sh": 96, "llama_3_8b.sh": 32}[script]
-    assert validate_args(args) == []
+    assert validate_args(args, this_machine=False) == []  # they run on a cluster, not on this machine
 
 
 def test_rope_fusion_needs_cuda(monkeypatch):
@@ -256,3 +256,50 @@ def test_iteration_lr_flags_are_refused_when_the_run_counts_samples(flag):
     # dropped without a word, so it is refused by name.
     errors = errors_of(["--model-preset", "gpt-tiny", "--mock-data", "--train-samples", "64", flag, "4"])
     assert any(e.startswith(f"{flag} needs --train-iters (this run counts --train-samples") for e in errors), errors
+
+
+FLASH_SPELLINGS = [["--attention-backend", "flash"], ["--use-flash-attn"]]
+
+
+def _machine(monkeypatch, cuda: bool, flash_attn: bool) -> None:
+    import torch
+
+    from megatron_pp.models import attention
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(attention, "_flash_attn_module", lambda: object() if flash_attn else None)
+
+
+@pytest.mark.parametrize("spelling", FLASH_SPELLINGS, ids=lambda s: s[0])
+def test_flash_attention_is_refused_where_it_cannot_run(monkeypatch, spelling):
+    flag_name = " ".join(spelling)
+    for cuda, flash_attn, needle in ((False, True, "needs CUDA"), (False, False, "needs CUDA"),
+                                     (True, False, "the flash-attn package does not import here")):
+        _machine(monkeypatch, cuda, flash_attn)
+        errors = errors_of(BASE + spelling + ["--bf16"])
+        assert len(errors) == 1 and errors[0].startswith(flag_name) and needle in errors[0], (cuda, flash_attn, errors)
+    # A configuration checked for other machines (a cluster's launch script, a plan) is not held to this one.
+    assert validate_args(build_parser().parse_args(BASE + spelling + ["--bf16"]), this_machine=False) == []
+
+
+@pytest.mark.parametrize("spelling", FLASH_SPELLINGS, ids=lambda s: s[0])
+def test_flash_attention_is_accepted_on_a_gpu_with_flash_attn(monkeypatch, spelling):
+    _machine(monkeypatch, cuda=True, flash_attn=True)
+    assert errors_of(BASE + spelling + ["--bf16"]) == []
+    assert errors_of(BASE + spelling + ["--fp16"]) == []
+    # Its kernels take only half precision: an fp32 run would fail at its first forward.
+    assert errors_of(BASE + spelling) == [f"{' '.join(spelling)} needs --bf16 or --fp16 "
+                                          "(flash-attn kernels take only half-precision tensors)"]
+
+
+def test_flash_attention_on_a_cpu_exits_2_before_the_model_is_built(monkeypatch, capsys):
+    import megatron_pp.models.transformer as transformer
+
+    _machine(monkeypatch, cuda=False, flash_attn=False)
+    monkeypatch.setattr(transformer, "build_model", lambda *a, **k: pytest.fail("model built"))
+    with pytest.raises(SystemExit) as info:
+        parse_args(BASE + ["--attention-backend", "flash", "--bf16"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --attention-backend flash needs CUDA (flash-attn has no CPU kernels); "
+        "use --attention-backend auto or sdpa"]
