@@ -14,10 +14,11 @@ f-strings, docstrings and annotations are not generated.
 
 The report (`--out`) has the integer fields `total`, `killed`, `equivalent` and `non_equivalent`
 (total minus equivalent; the score is killed / non_equivalent) and one entry per survivor: file:line,
-operator and the mutated line, plus what `--notes FILE` says about it, either `killed_by` (a test
-written since, checked with `--only`) or `equivalent` (why no test can tell the mutant from the
-original). A survivor without a note is listed as unexplained; `--annotate` applies new notes to a
-report without running anything. A full run takes hours on a small
+operator and the mutated line, plus what `--notes FILE` says about it: `killed_by` (a test written
+since, checked with `--only`), `equivalent` (why no test can tell the mutant from the original) or
+`fixed` (looking into it found a bug at its spot, fixed since; it stays a survivor in the
+score). A survivor without a note is listed as unexplained; `--annotate` applies new
+notes to a report without running anything. A full run takes hours on a small
 machine; `--sample N --seed S` runs a reproducible random subset.
 """
 from __future__ import annotations
@@ -305,6 +306,9 @@ def annotate(summary: dict, notes: dict) -> dict:
             entry["killed_by"] = note["killed_by"]
         elif "equivalent" in note:
             entry["equivalent"] = note["equivalent"]
+        elif "fixed" in note:
+            # It led to a bug that was fixed: still a survivor (neither killed nor equivalent).
+            entry["fixed"] = note["fixed"]
         else:
             entry["unexplained"] = True
         survivors.append(entry)
@@ -321,7 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, metavar="ID", help="Run just these mutant ids.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds per mutant before it counts as killed.")
     parser.add_argument("--notes", default=None, metavar="FILE",
-                        help="JSON: mutant id -> {killed_by: test} or {equivalent: why}, for the survivors.")
+                        help="JSON: mutant id -> {killed_by: test}, {equivalent: why} or {fixed: what}, for the "
+                             "survivors.")
     parser.add_argument("--out", default=None, metavar="FILE", help="Write the JSON report here.")
     parser.add_argument("--list", action="store_true", help="Print the number of mutants per module and stop.")
     parser.add_argument("--annotate", default=None, metavar="REPORT",
