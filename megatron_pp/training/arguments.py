@@ -471,7 +471,7 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
         wrong += ["lr_warmup_samples"] if args.lr_warmup_samples else []
         errors += [f"{flag(n)} needs --train-samples (this run counts --train-iters; use the *-iters flag)"
                    for n in wrong]
-        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        decay = args.lr_decay_iters or args.train_iters  # 0 is the run's length, as LRSchedule reads it
         if args.lr_warmup_iters and args.lr_warmup_iters >= decay >= 0:
             errors.append(f"--lr-warmup-iters {args.lr_warmup_iters} must be less than the decay length {decay} "
                           "(--lr-decay-iters, default --train-iters)")

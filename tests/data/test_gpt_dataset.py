@@ -197,3 +197,14 @@ def test_one_sample_is_a_dataset_and_zero_is_refused(corpus, tmp_path):
     assert len(one) == 1 and one.sample(0).shape == (SEQ + 1,)
     with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
         _dataset(indexed, tmp_path, 0)
+
+
+def test_one_token_samples_are_the_smallest_length_and_zero_is_refused():
+    # seq_length 1 is the boundary of the check: every sample is one input token and its label, so
+    # sample i starts at token i of the stream and the index walks each document token by token.
+    index = build_sample_index(np.array([5]), num_samples=4, seq_length=1, seed=0)
+    assert index["document_index"].tolist() == [0]
+    assert index["sample_index"].tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [0, 4]]
+    assert sorted(index["shuffle_index"].tolist()) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="seq_length >= 1, got 4 and 0"):
+        build_sample_index(np.array([5]), num_samples=4, seq_length=0, seed=0)

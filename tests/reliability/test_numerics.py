@@ -120,3 +120,25 @@ def test_a_short_window_judges_from_two_losses_on():
     assert all(Trainer.check_numerics(fake, row) is None for row in rows)
     assert [r["loss_spike"] for r in rows] == [False, False, True]
     assert log and log[0].startswith("warning: loss spike at iteration 3: 40.0000 is 10.3x the median 3.9000")
+
+
+def test_a_finite_step_ends_the_streak_and_nonfinite_losses_stay_out_of_the_spike_window():
+    # Limit 2: isolated bad steps never stop the run; two in a row do, on the second, and say how many.
+    fake, log = _spike_checker(3.0, 4)
+    fake.args.max_consecutive_nonfinite = 2
+    nan = float("nan")
+    verdicts = [Trainer.check_numerics(fake, {"iteration": i + 1, "loss": loss, "skipped": not math.isfinite(loss)})
+                for i, loss in enumerate([4.0, nan, 4.1, nan, 3.9, nan, nan])]
+    assert verdicts[:6] == [None] * 6
+    assert verdicts[6].startswith("iteration 7: loss or gradients not finite for 2 consecutive step(s) "
+                                  "(--max-consecutive-nonfinite 2)")
+    assert fake.nonfinite_streak == 2
+    assert fake.recent_losses == [4.0, 4.1, 3.9]  # the NaNs neither judged nor remembered
+    assert [line.split(":")[1] for line in log] == [" iteration 2", " iteration 4", " iteration 6", " iteration 7"]
+    # A skipped step with a finite loss (bf16/fp32: a non-finite gradient) counts as well; under fp16 it is
+    # the loss scaler's overflow and counts for nothing.
+    fake.nonfinite_streak, fake.args.max_consecutive_nonfinite = 0, 1
+    assert Trainer.check_numerics(fake, {"iteration": 8, "loss": 3.8, "skipped": True}) is not None
+    fake.nonfinite_streak, fake.args.fp16 = 0, True
+    assert Trainer.check_numerics(fake, {"iteration": 9, "loss": 3.8, "skipped": True}) is None
+    assert fake.nonfinite_streak == 0

@@ -222,3 +222,18 @@ def test_bpipe_on_gpus_with_nccl_tracks_1f1b(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert losses["bpipe"] == pytest.approx(losses["1f1b"], rel=1e-5)
+
+
+def test_an_acceptor_that_hosts_nothing_reports_no_guests():
+    # Memory reports read these fields whether or not a step ran them through reset_peak: an acceptor
+    # whose partner parks nothing reports zero guests and only its own stash's bytes.
+    weight = torch.randn(8, 8, requires_grad=True)
+    store = AcceptorStore([weight], link=None)
+    assert (store.peak_guests, store.guest_bytes, store.peak_count, store.peak_bytes) == (0, 0, 0, 0)
+    x = torch.randn(8, 8, requires_grad=True)
+    with store.stash((0, 0)):
+        loss = _forward(x, weight)
+    assert (store.peak_guests, store.guest_bytes, store.peak_count, store.peak_bytes) == (0, 0, 1, 2 * 8 * 8 * 4)
+    loss.backward()
+    store.release((0, 0))
+    assert (store.resident_count, store.live_bytes, store.peak_guests) == (0, 0, 0)

@@ -2,6 +2,7 @@
 metrics rows, the planner's check and the memory tests read)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_pp.schedules.store import ActivationStore
@@ -24,3 +25,30 @@ def test_peaks_count_saved_storages_and_held_tensors_once():
     assert store.live_bytes == store.peak_bytes == held
     store.release("a")
     assert (store.live_bytes, store.peak_bytes, store.peak_count) == (0, held, 1)
+
+
+def test_the_second_step_peaks_from_what_is_still_live_and_freed_weights_count_again():
+    store = ActivationStore()
+    weight = torch.randn(4, 4, requires_grad=True)
+    store.exclude([weight])
+    x1, x2 = torch.randn(2, 4), torch.randn(5, 4)
+    with store.stash("a"):
+        (x1 @ weight).sum()  # saves x1 only
+    with store.stash("b"):
+        (x2 @ weight).sum()
+    one, two = x1.untyped_storage().nbytes(), x2.untyped_storage().nbytes()
+    assert (store.live_bytes, store.peak_bytes, store.peak_count) == (one + two, one + two, 2)
+    with pytest.raises(RuntimeError, match="stash a is already live"):  # a forward twice without its backward
+        with store.stash("a"):
+            pass
+    store.release("a")
+    # Next step: its peak starts from what is still live ("b"), not from the last step's two stashes.
+    store.reset_peak()
+    assert (store.peak_bytes, store.peak_count, store.live_count) == (two, 1, 1)
+    # A gathered weight freed after its chunk ran: its storage may come back as an activation's and must count.
+    store.include([weight])
+    x3 = torch.randn(2, 4, requires_grad=True)
+    with store.stash("c"):
+        (x3 @ weight).sum()  # saves x3 and the weight (x3's gradient needs it), which now counts
+    assert store.live["c"].nbytes == x3.untyped_storage().nbytes() + weight.untyped_storage().nbytes()
+    assert (store.peak_bytes, store.peak_count) == (two + store.live["c"].nbytes, 2)

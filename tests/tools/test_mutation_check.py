@@ -52,3 +52,5 @@ def test_run_on_a_toy_repository_reports_killed_and_survivors(tmp_path, monkeypa
     assert (summary["total"], summary["killed"], summary["equivalent"], summary["non_equivalent"]) == (2, 1, 1, 1)
     assert summary["survivors"][0]["where"] == "toy.py:7" and "equivalent" in summary["survivors"][0]
     assert "unexplained" in mutation_check.report(results, {}, "cmd")["survivors"][0]
+    fixed = mutation_check.report(results, {results[1]["id"]: {"fixed": "the print was the bug"}}, "cmd")
+    assert (fixed["killed"], fixed["non_equivalent"]) == (1, 2) and "fixed" in fixed["survivors"][0]

@@ -211,3 +211,18 @@ def test_lr_boundaries(style):
     assert errors == [] or style == "WSD"
     if not errors:
         _check_invariants(LRSchedule.from_args(derive_args(args, world_size=1)), 1)
+
+
+
+@pytest.mark.parametrize("style", ["constant", "linear"])
+def test_a_zero_decay_length_is_the_run_length_for_the_warmup_check_too(style):
+    # LRSchedule reads --lr-decay-iters 0 as "the run's length"; the warm-up check must read it the same
+    # way, neither refusing a warm-up the schedule runs nor accepting one it would refuse.
+    argv = ["--lr", "0.01", "--lr-decay-style", style, "--train-iters", "4", "--lr-decay-iters", "0"]
+    errors, args = errors_for(argv + ["--lr-warmup-iters", "3"], 1)
+    assert errors == []
+    schedule = LRSchedule.from_args(derive_args(args, world_size=1))
+    assert (schedule.warmup_steps, schedule.decay_steps) == (3, 4)
+    errors, _ = errors_for(argv + ["--lr-warmup-iters", "4"], 1)
+    assert errors == ["--lr-warmup-iters 4 must be less than the decay length 4 "
+                      "(--lr-decay-iters, default --train-iters)"]

@@ -264,8 +264,8 @@ def resume_is_exact(ctx, distributed: bool, dtype: torch.dtype):
                for a, b in zip(c.parameters(), d.parameters()))
 
 
-@pytest.mark.parametrize("distributed,dtype", [(True, torch.float32), (False, torch.bfloat16)],
-                         ids=["distributed-fp32", "replicated-bf16"])
+@pytest.mark.parametrize("distributed,dtype", [(True, torch.float32), (False, torch.bfloat16), (False, torch.float32)],
+                         ids=["distributed-fp32", "replicated-bf16", "replicated-fp32"])
 def test_resume_from_state_dict_is_exact(distributed, dtype):
     assert all(run_distributed(4, resume_is_exact, distributed, dtype))
 
