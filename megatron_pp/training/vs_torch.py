@@ -10,9 +10,10 @@ ScheduleZBVZeroBubble (V placement, stages r and 2p-1-r on rank r, on both).
 
 What each side does in a timed step is only the pipeline's forward and backward of all microbatches:
 gradients are set to None (untimed) before it, and neither side reduces or steps anything after it
-(torch's `scale_grads=False`; our loss is already scaled by 1/tokens, and torch's loss function applies
-the same scale). The loss is the sum over microbatches of `sum(per-token loss * loss_mask) / tokens`
-on both sides; `check_pair` compares it and every gradient between the two runtimes before timing.
+(torch's `scale_grads=False`; our loss is already scaled by 1/tokens, and torch's last stage reduces its
+per-token loss with the same scale). The loss is the sum over microbatches of `sum(per-token loss *
+loss_mask) / tokens` on both sides; `worker_check` compares it and every gradient between the two
+runtimes before timing.
 
 Peak activation bytes are measured the same way for both: an `ActivationStore` (saved-tensor hooks,
 deduplicated by storage, parameters excluded) per rank. Our executor runs every chunk forward inside it
@@ -57,15 +58,21 @@ class _StageAdapter(nn.Module):
     """Our chunk behind torch's calling convention: activations positional, the batch as keyword tensors.
 
     The first stage is handed the tokens positionally (torch's first stage needs a real input tensor) and
-    reads them from the batch like every other stage."""
+    reads them from the batch like every other stage. The last stage reduces its per-token loss to the
+    scaled masked sum itself, as our executor does inside the chunk's stash, so both sides count the
+    tensors that reduction saves (torch would otherwise run it outside the stage, uncounted)."""
 
-    def __init__(self, chunk: nn.Module, first: bool) -> None:
+    def __init__(self, chunk: nn.Module, first: bool, loss_scale: Optional[float]) -> None:
         super().__init__()
         self.chunk = chunk
         self.first = first
+        self.loss_scale = loss_scale  # None except on the last stage
 
-    def forward(self, x: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
-        return self.chunk(None if self.first else x, batch)
+    def forward(self, x: torch.Tensor, loss_mask: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
+        y = self.chunk(None if self.first else x, batch)
+        if self.loss_scale is None:
+            return y
+        return (y.float() * loss_mask).sum() * self.loss_scale
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -145,22 +152,20 @@ class _Sides:
             self.torch_store.exclude(chunk.parameters())
             self.torch_store.exclude(chunk.buffers())
             example_in = (torch.empty(micro_batch, seq, dtype=torch.long, device=state.device) if s == 0 else act)
-            example_out = (torch.empty(micro_batch, seq, dtype=torch.float32, device=state.device,
-                                       requires_grad=True) if s == n - 1 else act)
+            example_out = torch.zeros((), requires_grad=True) if s == n - 1 else act
             self.stages.append(stage_class(
-                _StageAdapter(chunk, first=s == 0), s, n, state.device, input_args=example_in,
+                _StageAdapter(chunk, first=s == 0, loss_scale=self.loss_scale if s == n - 1 else None), s, n, state.device, input_args=example_in,
                 output_args=example_out, group=state.pp_group, store=self.torch_store))
-        loss_scale = self.loss_scale
-
-        def loss_fn(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return (per_token.float() * mask).sum() * loss_scale  # as our executor reduces the last stage
+        def loss_fn(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return loss  # the last stage's adapter has reduced it already
 
         cls = getattr(torch_schedules, TORCH_PAIRS[name])
         stages = self.stages[0] if issubclass(cls, torch_schedules.PipelineScheduleSingle) else self.stages
         self.torch_schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
         self.has_first = 0 in stage_ids
         self.has_last = n - 1 in stage_ids
-        cat = {k: torch.cat([b[k] for b in self.microbatches]) for k in ("tokens", "labels", "position_ids")}
+        cat = {k: torch.cat([b[k] for b in self.microbatches])
+               for k in ("tokens", "labels", "position_ids", "loss_mask")}
         self.torch_args = (cat["tokens"],) if self.has_first else ()
         self.torch_kwargs = cat
         self.torch_target = torch.cat([b["loss_mask"] for b in self.microbatches]) if self.has_last else None
@@ -242,7 +247,8 @@ def worker_profile(ctx, config, name, pp, m, v, micro_batch, seed, side, steps, 
 
 def _short(path: str) -> str:
     """A source path from its package down (no machine-specific prefix in reports)."""
-    for marker in ("torch/", "megatron_pp/"):
-        if marker in path:
-            return path[path.rindex(marker):]
+    if "site-packages/" in path:
+        return path[path.rindex("site-packages/") + len("site-packages/"):]
+    if "megatron_pp/" in path:
+        return path[path.rindex("megatron_pp/"):]
     return path.rsplit("/", 1)[-1]
