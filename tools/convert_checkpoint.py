@@ -7,7 +7,7 @@
     # megatron_pp -> Hugging Face (loadable with from_pretrained)
     python tools/convert_checkpoint.py --source-format megatron_pp --target-format hf \
         --load-dir checkpoints/run1 --save-dir run1-hf --tokenizer-dir llama-hf
-    # reshard: any tp / pp / virtual stages / uneven split
+    # reshard: any tp / pp / virtual stages / uneven split / the V placement of zb-v and v-half
     python tools/convert_checkpoint.py --source-format megatron_pp --target-format megatron_pp \
         --load-dir llama-tp2pp2 --save-dir llama-pp4vp2 --target-pipeline-parallel-size 4 \
         --target-num-virtual-stages-per-pipeline-rank 2
@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None)
     layout.add_argument("--target-account-for-embedding-in-pipeline-split", action="store_true")
     layout.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true")
+    layout.add_argument("--target-pipeline-schedule", default=None, metavar="NAME",
+                        help="the run's --pipeline-schedule: it places the stages on ranks (zb-v and v-half: stages r "
+                             "and 2p-1-r on rank r, two per rank) and so decides an uneven split (default: the "
+                             "interleaved placement, stage g on rank g mod p, of every other schedule)")
     layout.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                         help="vocabulary padding rule of a megatron_pp target (default: the source's, else 128)")
 
@@ -115,6 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             last_stage_layers=args.target_decoder_last_pipeline_num_layers,
             account_for_embedding=args.target_account_for_embedding_in_pipeline_split,
             account_for_loss=args.target_account_for_loss_in_pipeline_split,
+            schedule=args.target_pipeline_schedule,
         )
         if not os.path.isdir(args.load_dir):
             raise UsageError(f"--load-dir {args.load_dir} is not a directory")

@@ -182,15 +182,21 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
             k = bisect.bisect_right(ends, start + 1e-9)
             at = computes[k - 1][0] + 1 if k else 0  # right after the last compute that ends in time
             slots[y].append(max([at] + slots[y][-1:]))
+    replay = RendezvousReplay([_insert_before(acts, slots[r], hosting[r]) if r in hosting else list(acts)
+                               for r, acts in enumerate(base)], parking=True)
+    where = {y: {a: k for k, a in enumerate(h)} for y, h in hosting.items()}
     blocked: list = []
     for _ in range(4 * sum(len(h) for h in hosting.values()) + 4):
-        lists = [_insert_before(acts, slots[r], hosting[r]) if r in hosting else acts for r, acts in enumerate(base)]
-        replay = RendezvousReplay([list(acts) for acts in lists], parking=True)
         blocked = replay.run()
         if not blocked:
-            return dataclasses.replace(schedule, actions=lists)
-        if not _repair(lists, blocked, hosting, slots):
+            return dataclasses.replace(schedule, actions=[list(acts) for acts in replay.actions])
+        moved = _repair(replay.actions, blocked, hosting, where, slots)
+        if not moved:
             break
+        # The replay goes on from its current state with the moved stretch of each list rewritten, rolled
+        # back only where the change reaches (`RendezvousReplay.replace`): a repair costs what it moves,
+        # not a replay of every list.
+        replay.replace({y: _window(base[y], hosting[y], slots[y], old) for y, old in sorted(moved.items())})
     raise ScheduleError("bpipe: found no deadlock-free place for the acceptor's side of the transfers; stuck at "
                         + "; ".join(b.describe() for b in blocked))
 
@@ -206,34 +212,66 @@ def _insert_before(actions: list[Action], slots: list[int], hosting: list[Action
     return out + hosting[k:]
 
 
-def _repair(lists: list[list[Action]], blocked, hosting: dict[int, list[Action]], slots: dict[int, list[int]]) -> bool:
-    """Move the hosting actions a stuck replay of `lists` points at (see `add_hosting`); False if none."""
+def _window(base: list[Action], hosting: list[Action], slots: list[int],
+            old: dict[int, int]) -> tuple[int, list[Action]]:
+    """The stretch of `_insert_before(base, slots, hosting)` that differs from the list with the hosting
+    actions at their `old` slots (k -> slot before the repair): (its start in the list, its new content)."""
+    lo = min(min(old.values()), min(slots[k] for k in old))
+    hi = max(max(old.values()), max(slots[k] for k in old))
+    first, last = bisect.bisect_left(slots, lo), bisect.bisect_right(slots, hi)
+    return lo + first, _insert_before(base[lo:hi + 1], [s - lo for s in slots[first:last]], hosting[first:last])
+
+
+def _hosting_before(slots: list[int], before: dict[int, int], index: int) -> int:
+    """How many hosting actions sit before list index `index` of the list the replay ran (hosting action k
+    sits at slot + k, its slot being `before[k]` where this round moved it already, else slots[k])."""
+    lo, hi = 0, len(slots)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if before.get(mid, slots[mid]) + mid < index:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _repair(lists: list[list[Action]], blocked, hosting: dict[int, list[Action]], where: dict[int, dict[Action, int]],
+            slots: dict[int, list[int]]) -> dict[int, dict[int, int]]:
+    """Move the hosting actions a stuck replay of `lists` points at (see `add_hosting`); return, per acceptor
+    whose actions moved, each moved action's slot before the move (empty: nothing to move)."""
     stuck = {b.rank: b for b in blocked}
-    moved = False
+    moved: dict[int, dict[int, int]] = {}
+
+    def move(y: int, k: int, slot: int) -> None:
+        moved.setdefault(y, {}).setdefault(k, slots[y][k])
+        slots[y][k] = slot
+
     for b in blocked:
         for _, a in b.waiting:
             if a.op in HOSTING_OPS:  # the acceptor waits for its evictor, which waits elsewhere: one later
-                y, k = b.rank, hosting[b.rank].index(a)
+                y, k = b.rank, where[b.rank][a]
                 if a.peer in stuck and any(w.op in PARTNER_OP for _, w in stuck[a.peer].waiting):
                     continue
                 if slots[y][k] < len(lists[y]) - len(hosting[y]):
-                    slots[y][k] += 1
-                    for j in range(k + 1, len(slots[y])):
-                        slots[y][j] = max(slots[y][j], slots[y][k])
-                    moved = True
+                    move(y, k, slots[y][k] + 1)
+                    j = k + 1  # the ones after it keep their order (slots never decrease along the list)
+                    while j < len(slots[y]) and slots[y][j] < slots[y][k]:
+                        move(y, j, slots[y][k])
+                        j += 1
             elif a.op in PARTNER_OP:  # the evictor waits for its acceptor, which waits in a batch: before it
                 y = a.peer
-                k = hosting[y].index(Action(PARTNER_OP[a.op], a.microbatch, a.chunk, b.rank))
+                k = where[y][Action(PARTNER_OP[a.op], a.microbatch, a.chunk, b.rank)]
                 if y not in stuck or any(w.op in HOSTING_OPS for _, w in stuck[y].waiting):
                     continue
                 at = min(i for i, _ in stuck[y].waiting)
                 # In the hosting-free list: the first member y waits for (the members before it are matched).
-                first = at - sum(1 for act in lists[y][:at] if act.op in HOSTING_OPS)
+                first = at - _hosting_before(slots[y], moved.get(y, {}), at)
                 if slots[y][k] > first:
-                    slots[y][k] = first
-                    for j in range(k):
-                        slots[y][j] = min(slots[y][j], first)
-                    moved = True
+                    move(y, k, first)
+                    j = k - 1
+                    while j >= 0 and slots[y][j] > first:
+                        move(y, j, first)
+                        j -= 1
     return moved
 
 
@@ -242,14 +280,14 @@ def warn_unhidden_transfers(schedule: Schedule, costs: CostModel | None = None) 
     `CostModel()`), its transfers are not hidden: a backward waits for its LOAD, or the step takes longer
     than the same lists without EVICT/LOAD (forwards waiting for the eviction that makes room for them on
     the critical path). A forward of the warm-up that waits while its rank would idle anyway is hidden."""
-    waits = transfer_waits(schedule, costs)
-    late_loads = {key: wait for key, wait in waits.items() if key[1].op is not Op.F}
     bare = dataclasses.replace(schedule, actions=[[a for a in acts if a.op not in (Op.EVICT, Op.LOAD)]
                                                   for acts in schedule.actions])
     if not any(a.op in COMM_OPS for acts in schedule.actions for a in acts):
         schedule_c, bare = insert_communication(schedule), insert_communication(bare)
     else:
         schedule_c = schedule
+    waits = transfer_waits(schedule_c, costs)  # with its communication already in: inserted once, not twice
+    late_loads = {key: wait for key, wait in waits.items() if key[1].op is not Op.F}
     exposed = simulate(schedule_c, costs).makespan - simulate(bare, costs).makespan
     if late_loads or exposed > 1e-9:
         (rank, action), wait = max(waits.items(), key=lambda item: item[1])

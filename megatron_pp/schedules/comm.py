@@ -150,6 +150,7 @@ class RendezvousReplay:
         self.actions = actions
         self.prefer_send_only_batches = prefer_send_only_batches
         self.slots = link_slots(actions, parking)
+        self._slot_index: dict[int, dict[Slot, int]] = {}  # per rank, built when a roll-back needs it
         self.pos = [0] * len(actions)
         self.batch_end: list[int | None] = [None] * len(actions)
         self.posted: dict[tuple[Link, bool], int] = defaultdict(int)
@@ -175,6 +176,81 @@ class RendezvousReplay:
     def blocked(self) -> list[Blocked]:
         """The ranks that have not reached the end of their list, each with what it waits for."""
         return [self._blocked(rank) for rank, acts in enumerate(self.actions) if self.pos[rank] < len(acts)]
+
+    def replace(self, changed: dict[int, tuple[int, list[Action]]]) -> None:
+        """Rewrite part of some lists and go on from the current state instead of replaying from scratch.
+
+        `changed[rank] = (start, window)` puts `window` in place of as many actions from `start` on: the
+        same actions reordered, each keeping its place on its link (its `Slot`), as when BPipe moves an
+        acceptor's hosting action past others. Exact: a replay's end state does not depend on the order
+        ranks advance in (postings only grow, and a rank's progress only grows with them), so settling from
+        any state that the new lists can reach ends where a fresh replay would. Such a state is made by
+        rolling back: a changed rank to the batch where its list first differs (where it got that far), and
+        every rank that got past a batch by a posting so withdrawn to that batch, and so on. The work is the
+        windows and the rolled-back part, not the lists.
+        """
+        undo: list[tuple[int, int]] = []
+        for rank, (start, window) in changed.items():
+            old = self.actions[rank]
+            first = next((start + j for j, a in enumerate(window) if old[start + j] != a), start + len(window))
+            self.work += first - start + 1
+            if first < start + len(window) and first <= self._posted_end(rank):
+                undo.append((rank, self._batch_start(rank, min(first, self.pos[rank]))))
+        while undo:
+            rank, at = undo.pop()
+            self._roll_back(rank, at, undo)
+        for rank, (start, window) in changed.items():
+            end = start + len(window)
+            acts, slots = self.actions[rank], self.slots[rank]
+            slot_of = dict(zip(acts[start:end], slots[start:end]))
+            acts[start:end] = window
+            slots[start:end] = [slot_of[a] for a in window]
+            index = self._slot_index.get(rank)
+            if index is not None:
+                index.update((slots[j], j) for j in range(start, end) if slots[j] is not None)
+            self.work += len(window)
+            self.wakeups.wake(rank)
+
+    def _posted_end(self, rank: int) -> int:
+        """One past the last action `rank` has posted or passed."""
+        end = self.batch_end[rank]
+        return self.pos[rank] if end is None else end
+
+    def _batch_start(self, rank: int, index: int) -> int:
+        """The start of the run of pipeline transfers just before `index` (`index` where there is none): the
+        batch that holds it, or one that a changed action at `index` could join; at most one batch early."""
+        acts, slots = self.actions[rank], self.slots[rank]
+        while index > 0 and slots[index - 1] is not None and acts[index - 1].op in COMM_OPS:
+            index -= 1
+            self.work += 1
+        return index
+
+    def _roll_back(self, rank: int, start: int, undo: list[tuple[int, int]]) -> None:
+        """Withdraw what `rank` posted from `start` on and put it back there; queue the peers that got past a
+        batch with one of those postings."""
+        end = self._posted_end(rank)
+        if start >= end and start >= self.pos[rank]:
+            return
+        slots = self.slots[rank]
+        for j in range(start, end):
+            self.work += 1
+            if slots[j] is None:
+                continue
+            link, is_send, k = slots[j]
+            self.posted[link, is_send] -= 1  # the rank's latest on this link: it posts in list order
+            if self.posted[link, not is_send] > k:  # the peer posted the partner and may be past it
+                peer = link[1] if is_send else link[0]
+                index = self._index_of(peer)[link, not is_send, k]
+                if index < self.pos[peer]:
+                    undo.append((peer, self._batch_start(peer, index)))
+        self.pos[rank], self.batch_end[rank] = start, None
+        self.wakeups.wake(rank)
+
+    def _index_of(self, rank: int) -> dict[Slot, int]:
+        if rank not in self._slot_index:
+            self._slot_index[rank] = {slot: j for j, slot in enumerate(self.slots[rank]) if slot is not None}
+            self.work += len(self.slots[rank])
+        return self._slot_index[rank]
 
     def _advance(self, rank: int) -> None:
         acts, slots, posted, batch_end = self.actions[rank], self.slots[rank], self.posted, self.batch_end

@@ -173,6 +173,19 @@ def build_at_nominal_size(name: str, num_ranks: int, **options: object) -> Sched
     return build_schedule(entry.name, num_ranks, 2 * num_ranks, chunks, **options)
 
 
+def stage_placement(name: str, num_ranks: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Where schedule `name` puts the global stages of `num_ranks` ranks x `num_chunks` chunks: (rank, chunk)
+    per stage, read from the schedule built at 2p microbatches (placement does not depend on m). Most
+    schedules interleave (stage g on rank g mod p); the V shapes put stages r and 2p-1-r on rank r. For
+    tools that lay out weights for a run (checkpoint conversion). Raises what `build_schedule` raises."""
+    entry = get_schedule(name)
+    if not entry.supports_virtual:
+        if num_chunks != 1:
+            build_schedule(entry.name, num_ranks, 2 * num_ranks, num_chunks)  # refused, with the flag named
+        return build_schedule(entry.name, num_ranks, 2 * num_ranks).placement
+    return build_schedule(entry.name, num_ranks, 2 * num_ranks, num_chunks).placement
+
+
 def _interleaved(num_ranks: int, num_microbatches: int, num_chunks: int,
                  microbatch_group_size: int | None = None) -> Schedule:
     # Megatron's config name for the group size, so the flag reads the same as there.

@@ -68,12 +68,12 @@ def _write_tokenizer(directory, num_tokens: int) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0"}, f)
 
 
-def _save_llama(directory, vocab_size: int, seed: int) -> None:
+def _save_llama(directory, vocab_size: int, seed: int, layers: int = 4) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=8,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=SEQ, rope_theta=500000.0, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2,
     ))
@@ -660,11 +660,11 @@ def test_training_flags_rebuild_the_config():
 # Fine-tuning a converted model ----------------------------------------------------------------------------
 
 
-def _finetune(ctx, argv):
+def _finetune(ctx, argv, tp=2, pp=2):
     from megatron_pp.training.arguments import parse_args
     from megatron_pp.training.train import pretrain
 
-    return pretrain(parse_args(argv), state=ctx.parallel_state(2, 2))
+    return pretrain(parse_args(argv), state=ctx.parallel_state(tp, pp))
 
 
 def test_pretrain_finetunes_a_converted_checkpoint_and_exports_it(tmp_path):
@@ -691,3 +691,39 @@ def test_pretrain_finetunes_a_converted_checkpoint_and_exports_it(tmp_path):
     assert torch.equal(exported_model.model.embed_tokens.weight, saved["embedding.word_embeddings.weight"])
     assert not torch.equal(exported_model.lm_head.weight, original.lm_head.weight)  # it trained
     assert os.path.isfile(os.path.join(exported, "tokenizer.json"))
+
+
+def test_v_placement_and_its_uneven_split_load_into_a_zb_v_run(tmp_path):
+    """zb-v at pp 2 puts stages 0 and 3 on rank 0: with --decoder-first-pipeline-num-layers 2 that rank's two
+    layers go to stages 0 and 3 ([0-1, 1-3, 3-5, 5-6]), not to stages 0 and 2 as the interleaved placement
+    would split them ([0-1, 1-3, 3-4, 4-6]), which the run refuses to load."""
+    from megatron_pp.data.mock import mock_sample
+
+    hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "zbv")
+    os.makedirs(hf_dir)
+    _save_llama(hf_dir, 512, seed=5, layers=6)
+    layout = TargetLayout(pp=2, schedule="zb-v", first_stage_layers=2)
+    result = convert_checkpoint("hf", "megatron_pp", hf_dir, converted, layout=layout, progress=False)
+    assert [(s.layer_start, s.layer_end) for s in result.stages] == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    assert read_metadata(iteration_dir(converted, 0))["layout"]["placement"] == [[0, 0], [1, 0], [1, 1], [0, 1]]
+    assert layout.training_flags()[4:6] == ["--pipeline-schedule", "zb-v"]
+    argv = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3",
+            "--seed", "3", "--load", converted, "--finetune", *layout.training_flags(), *training_flags(result.config)]
+    rows = [r for rank in run_distributed(2, _finetune, argv, tp=1, pp=2) for r in rank if "loss" in r]
+    samples = torch.stack([mock_sample(3, i, SEQ, 512) for i in range(8)])
+    _, loss = _hf_logits_and_loss(hf_dir, samples[:, :-1], samples[:, 1:])
+    assert rows and rows[0]["loss"] == pytest.approx(loss.mean().item(), rel=1e-5)
+
+
+def test_megatron_lm_targets_refuse_the_v_placement(hf_dirs, tmp_path, capsys):
+    for target in ("megatron_lm", "torch_dist"):
+        with pytest.raises(CheckpointError, match="--target-pipeline-schedule zb-v does not place stage g on rank g mod p"):
+            convert_checkpoint("hf", target, hf_dirs["llama"], str(tmp_path / target),
+                               layout=TargetLayout(pp=2, schedule="zb-v"), progress=False)
+        assert not os.path.exists(tmp_path / target)
+    argv = ["--source-format", "hf", "--target-format", "megatron_pp", "--load-dir", hf_dirs["llama"],
+            "--save-dir", str(tmp_path / "x"), "--target-pipeline-parallel-size", "2",
+            "--target-pipeline-schedule", "zb-v", "--target-num-virtual-stages-per-pipeline-rank", "3", "--no-progress"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--target-pipeline-schedule zb-v places exactly 2 stages" in err, err

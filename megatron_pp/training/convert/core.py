@@ -27,6 +27,7 @@ from megatron_pp.models.config import TransformerConfig, flag
 from megatron_pp.models.hf import VOCAB_PARAMETERS, resize_vocab_rows
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.models.transformer import StageModel
+from megatron_pp.schedules.generators import looped_placement
 from megatron_pp.training.checkpointing import CheckpointError, fsync_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -198,12 +199,19 @@ class TargetLayout:
     last_stage_layers: Optional[int] = None
     account_for_embedding: bool = False
     account_for_loss: bool = False
+    schedule: Optional[str] = None
+    """The run's --pipeline-schedule, which places the stages on ranks (and fixes the chunk count of the V
+    shapes); None: the interleaved placement of every schedule but the V shapes."""
 
     def num_chunks(self, num_layers: int) -> int:
         if self.vp is not None and self.layers_per_virtual_stage is not None:
             raise ValueError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
                              "are mutually exclusive")
         if self.layers_per_virtual_stage is None:
+            if self.vp is None and self.schedule is not None:
+                from megatron_pp.schedules.registry import get_schedule
+
+                return get_schedule(self.schedule).chunks_per_rank or 1  # as training: the V shapes' 2
             return 1 if self.vp is None else self.vp
         slots = num_layers + int(self.account_for_embedding) + int(self.account_for_loss)
         per_stage = self.layers_per_virtual_stage
@@ -215,6 +223,8 @@ class TargetLayout:
     def training_flags(self) -> list[str]:
         """The pretrain_*.py flags that build this layout."""
         flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.schedule is not None:
+            flags += ["--pipeline-schedule", self.schedule]
         for name, value in (("--num-virtual-stages-per-pipeline-rank", self.vp),
                             ("--num-layers-per-virtual-pipeline-stage", self.layers_per_virtual_stage),
                             ("--decoder-first-pipeline-num-layers", self.first_stage_layers),
@@ -227,22 +237,41 @@ class TargetLayout:
             flags.append("--account-for-loss-in-pipeline-split")
         return flags
 
+    def placement(self, num_layers: int) -> list[tuple[int, int]]:
+        """(rank, chunk) of each global stage, as the training run places them."""
+        chunks = self.num_chunks(num_layers)
+        if self.schedule is None:
+            return looped_placement(self.pp, chunks)
+        from megatron_pp.schedules.registry import stage_placement
+
+        return stage_placement(self.schedule, self.pp, chunks)
+
     def stages(self, num_layers: int) -> list[StageSpec]:
+        # The same split as the run's (`build_pipeline`): the uneven flags count the layers of the rank that
+        # holds the first stage and of the one that holds the last, which depends on the placement.
         return split_layers(num_layers, self.pp, self.num_chunks(num_layers),
                             first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
-                            account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss)
+                            account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
+                            placement=self.placement(num_layers))
 
-    def checked_stages(self, config: TransformerConfig) -> list[StageSpec]:
-        """`stages` after checking that `config` fits this layout; errors name the converter's --target-* flags."""
+    def checked_stages(self, config: TransformerConfig, interleaved_only: bool = False) -> list[StageSpec]:
+        """`stages` after checking that `config` fits this layout; errors name the converter's --target-* flags.
+        `interleaved_only`: refuse a placement other than the interleaved one (Megatron-LM targets)."""
         try:
             config.validate(self.tp)
-            return self.stages(config.num_layers)
+            stages = self.stages(config.num_layers)
+            chunks = self.num_chunks(config.num_layers)
         except ValueError as exc:
             raise CheckpointError(_LAYOUT_FLAGS.sub(
                 lambda m: "--target-" + _SHORT_TARGET_FLAGS.get(m.group(1), m.group(1)), str(exc))) from None
+        if interleaved_only and self.placement(config.num_layers) != looped_placement(self.pp, chunks):
+            raise CheckpointError(f"--target-pipeline-schedule {self.schedule} does not place stage g on rank g mod p "
+                                  "(Megatron-LM's only placement), so Megatron-LM cannot run it; convert to "
+                                  "--target-format megatron_pp")
+        return stages
 
 
-_LAYOUT_FLAGS = re.compile(r"--(tensor-model-parallel-size|pipeline-model-parallel-size|"
+_LAYOUT_FLAGS = re.compile(r"--(tensor-model-parallel-size|pipeline-model-parallel-size|pipeline-schedule|"
                            r"num-virtual-stages-per-pipeline-rank|num-layers-per-virtual-pipeline-stage|"
                            r"decoder-first-pipeline-num-layers|decoder-last-pipeline-num-layers|"
                            r"account-for-embedding-in-pipeline-split|account-for-loss-in-pipeline-split)")

@@ -573,7 +573,7 @@ def write_megatron_lm(
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise CheckpointError(f"--target-transformer-impl {transformer_impl!r} is not one of "
                               f"{', '.join(TRANSFORMER_IMPLS)}")
-    stages = layout.checked_stages(config)
+    stages = layout.checked_stages(config, interleaved_only=True)
     chunks = layout.num_chunks(config.num_layers)
     with staged_output(save_dir) as staging:
         directory = iteration_dir(staging, reader.iteration)

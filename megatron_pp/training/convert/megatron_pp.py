@@ -18,7 +18,6 @@ from tqdm import tqdm
 from megatron_pp.core.tensor_parallel import shard_tensor
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec
-from megatron_pp.schedules.generators import looped_placement
 from megatron_pp.training.checkpointing import (
     FORMAT_VERSION,
     METADATA_FILE,
@@ -157,7 +156,7 @@ def write_megatron_pp(
             "consumed_samples": reader.consumed_samples,
             "world_size": layout.tp * layout.pp,
             "layout": {"tp": layout.tp, "pp": layout.pp, "dp": 1, "num_chunks": num_chunks,
-                       "placement": [list(p) for p in looped_placement(layout.pp, num_chunks)],
+                       "placement": [list(p) for p in layout.placement(config.num_layers)],
                        "stages": [dataclasses.asdict(s) for s in stages]},
             "schedule": None,
             "model": config_to_json(saved),

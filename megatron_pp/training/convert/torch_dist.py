@@ -196,7 +196,7 @@ def write_torch_dist(
     Megatron-LM uses only to decide whether RNG state could be restored. Model weights only: `args`
     says `no_save_optim` and `no_save_rng`, so Megatron-LM loads it without optimizer flags.
     """
-    stages = layout.checked_stages(config)
+    stages = layout.checked_stages(config, interleaved_only=True)
     saved_dtype = dtype or config.params_dtype
     padded = config.padded_vocab_size(layout.tp)
     params = model_parameters(config)
