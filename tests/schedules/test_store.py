@@ -31,9 +31,9 @@ def test_the_second_step_peaks_from_what_is_still_live_and_freed_weights_count_a
     store = ActivationStore()
     weight = torch.randn(4, 4, requires_grad=True)
     store.exclude([weight])
-    x1, x2 = torch.randn(2, 4), torch.randn(5, 4)
+    x1, x2 = torch.randn(2, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
     with store.stash("a"):
-        (x1 @ weight).sum()  # saves x1 only
+        (x1 @ weight).sum()  # saves x1 and the weight, which is excluded
     with store.stash("b"):
         (x2 @ weight).sum()
     one, two = x1.untyped_storage().nbytes(), x2.untyped_storage().nbytes()

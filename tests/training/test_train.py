@@ -48,9 +48,10 @@ def test_seed_everything_seeds_every_generator_a_user_or_plugin_may_draw_from():
         get_rng_tracker().set_states(saved[3])
 
 
-def test_main_releases_the_process_group_it_made(tmp_path, monkeypatch):
-    # A launched world of one (torchrun's variables): main builds a gloo group on its own store, trains,
-    # and must leave no group behind (a second job in the same process, or a harness, starts clean).
+def test_main_runs_the_job_in_the_process_group_it_made_and_releases_it(tmp_path, monkeypatch):
+    # A launched world of one (torchrun's variables): main builds the gloo group on the store it met the
+    # other ranks on (pretrain must find it made, not make its own), runs the job, and leaves no group
+    # behind (a second job in the same process, or a harness, starts clean).
     monkeypatch.chdir(tmp_path)
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(free_port()))):
