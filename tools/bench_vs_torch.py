@@ -8,8 +8,9 @@ chunks our model builder makes for the pair's placement (megatron_pp/training/vs
 wrapped, and how activation bytes are counted the same way on both sides). Before timing, one step of each
 side must give the same loss (relative 1e-5) and the same gradients on every rank (each gradient within
 1e-5 relative); every timed step's loss is checked again. A round then runs, for every pair, one torch
-step and one of ours, in alternating order (ours first in even rounds), so both halves of a ratio saw the
-same machine; step time is the slowest rank's wall time from a common barrier. Reported per pair: the
+step and one of ours, the side that goes first alternating from round to round, so both halves of a ratio saw the
+same machine (our 1f1b and zb-h1 steps run back to back as well); step time is the slowest rank's wall
+time from a common barrier. Reported per pair: the
 ratio ours / torch (median and range over rounds), each side's median step time, median CPU-seconds per
 rank and peak activation bytes per rank, and the issue's targets: ours <= 0.95 x torch in time, ours <=
 torch in peak activation bytes per rank, zb-h1 <= 0.95 x our 1f1b (paired the same way). With
@@ -44,6 +45,20 @@ def _agree(a: float, b: float) -> bool:
     return abs(a - b) <= LOSS_RTOL * max(abs(a), abs(b))
 
 
+def _round_order(names: list, k: int) -> list:
+    """(pair, side) steps of round k. Within each pair the side that goes first alternates with k. Our 1f1b
+    and our zb-h1 run back to back (their order alternating too), since their ratio is a target as well."""
+    first = ("ours", "torch") if k % 2 == 0 else ("torch", "ours")
+    rest = list(names)
+    order = []
+    if "1f1b" in rest and "zb-h1" in rest:
+        rest.remove("1f1b")
+        rest.remove("zb-h1")
+        block = [("1f1b", "torch"), ("1f1b", "ours"), ("zb-h1", "ours"), ("zb-h1", "torch")]
+        order += block if k % 2 == 0 else block[::-1]
+    return order + [(name, side) for name in rest for side in first]
+
+
 def run(args, pool=None) -> dict:
     import torch
 
@@ -69,18 +84,19 @@ def run(args, pool=None) -> dict:
                 raise AssertionError(f"{name}: ours and torch's {vs_torch.TORCH_PAIRS[name]} do different work "
                                      f"(loss {ours!r} vs {theirs!r}, worst gradient difference {worst:.3g})")
         for k in range(args.rounds):
+            step = {}
+            for name, side in _round_order(args.schedules, k):
+                step[name, side] = pool.run(vs_torch.worker_step, *shape[name], side)
             for name in args.schedules:
-                sides = ("ours", "torch") if k % 2 == 0 else ("torch", "ours")
-                step = {side: pool.run(vs_torch.worker_step, *shape[name], side) for side in sides}
-                losses = {side: _loss(rows) for side, rows in step.items()}
+                rows = {side: step[name, side] for side in ("ours", "torch")}
+                losses = {side: _loss(r) for side, r in rows.items()}
                 if not _agree(losses["ours"], losses["torch"]):
                     raise AssertionError(f"{name}, round {k}: losses differ ({losses})")
-                wall = {side: max(r["wall_s"] for r in rows) for side, rows in step.items()}
+                wall = {side: max(x["wall_s"] for x in r) for side, r in rows.items()}
                 print(f"round {k} {name}: ours/torch {wall['ours'] / wall['torch']:.3f}", file=sys.stderr, flush=True)
-                samples[name].append({side: {"wall_s": wall[side],
-                                             "cpu_s": [r["cpu_s"] for r in rows],
-                                             "peak_activation_bytes": [r["peak_activation_bytes"] for r in rows]}
-                                      for side, rows in step.items()})
+                samples[name].append({side: {"wall_s": wall[side], "cpu_s": [x["cpu_s"] for x in r],
+                                             "peak_activation_bytes": [x["peak_activation_bytes"] for x in r]}
+                                      for side, r in rows.items()})
         report = _report(args, config, checks, samples)
         if args.profile_steps:
             for name, pair in report["pairs"].items():

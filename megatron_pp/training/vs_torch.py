@@ -228,12 +228,15 @@ def worker_step(ctx, config, name, pp, m, v, micro_batch, seed, side) -> dict:
 
 
 def worker_profile(ctx, config, name, pp, m, v, micro_batch, seed, side, steps, top=15) -> list[dict]:
-    """cProfile of `steps` steps of `side` on this rank: the `top` functions by own time, per step."""
+    """cProfile of `steps` steps of `side` on this rank: the `top` functions by own time, per step.
+
+    Timed by the main thread's CPU clock, so that on a shared machine the profile shows the work this rank
+    does, not the time other processes held the cores (waits in receives then cost almost nothing)."""
     import cProfile
     import pstats
 
     sides = _sides(ctx, config, name, pp, m, v, micro_batch, seed)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.thread_time)
     profiler.enable()
     for _ in range(steps):
         sides.run(side)
