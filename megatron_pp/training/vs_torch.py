@@ -15,13 +15,14 @@ per-token loss with the same scale). The loss is the sum over microbatches of `s
 loss_mask) / tokens` on both sides; `worker_check` compares it and every gradient between the two
 runtimes before timing.
 
-Peak activation bytes are measured the same way for both: an `ActivationStore` (saved-tensor hooks,
-deduplicated by storage, parameters excluded) per rank. Our executor runs every chunk forward inside it
-and releases a stash after its backward (or its BW); torch's stages are wrapped (`_CountedStage`) so each
-`forward_one_chunk` runs inside the same kind of store, released after `backward_one_chunk`, or, for
-a split backward, after `backward_weight_one_chunk`, with what torch keeps between I and W (the
-intermediate gradients of its parameter groups and the received output gradient) held in the count as
-our BI's output gradients are.
+Peak activation bytes are measured the same way for both, in an untimed step of each side: an
+`ActivationStore` (saved-tensor hooks, deduplicated by storage, parameters excluded) per rank. Our executor
+runs every chunk forward inside it and releases a stash after its backward (or its BW); torch's stages are
+wrapped (`_CountedStage`) so each `forward_one_chunk` runs inside the same kind of store, released after
+`backward_one_chunk`, or, for a split backward, after `backward_weight_one_chunk`, with what torch keeps
+between I and W (the intermediate gradients of its parameter groups and the received output gradient)
+held in the count as our BI's output gradients are. Timed torch steps run without that store (our
+executor's store is part of our runtime and stays in ours).
 
 The worker-side functions live in the package (not in tools/) so spawned workers can import them.
 """
@@ -88,19 +89,24 @@ def _counted_stage_class():
     from torch.distributed.pipelining import PipelineStage
 
     class _CountedStage(PipelineStage):
-        """A PipelineStage whose saved activations are counted by `store`, as our executor counts ours."""
+        """A PipelineStage whose saved activations are counted by `store` (while it is set), as our executor
+        counts ours. Timed steps run with `store` None: torch pays no counting hooks there."""
 
-        def __init__(self, *args, store: ActivationStore, **kwargs) -> None:
+        def __init__(self, *args, store: Optional[ActivationStore], **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.store = store
 
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+            if self.store is None:
+                return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
             with self.store.stash((fwd_chunk_id, self.stage_index)):
                 return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                        last_backward=last_backward)
+            if self.store is None:
+                return
             key = (bwd_chunk_id, self.stage_index)
             if full_backward:
                 self.store.release(key)
@@ -113,7 +119,8 @@ def _counted_stage_class():
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-            self.store.release((bwd_chunk_id, self.stage_index))
+            if self.store is not None:
+                self.store.release((bwd_chunk_id, self.stage_index))
 
     return _CountedStage
 
@@ -152,10 +159,11 @@ class _Sides:
             self.torch_store.exclude(chunk.parameters())
             self.torch_store.exclude(chunk.buffers())
             example_in = (torch.empty(micro_batch, seq, dtype=torch.long, device=state.device) if s == 0 else act)
-            example_out = torch.zeros((), requires_grad=True) if s == n - 1 else act
-            self.stages.append(stage_class(
-                _StageAdapter(chunk, first=s == 0, loss_scale=self.loss_scale if s == n - 1 else None), s, n, state.device, input_args=example_in,
-                output_args=example_out, group=state.pp_group, store=self.torch_store))
+            example_out = torch.zeros((), device=state.device, requires_grad=True) if s == n - 1 else act
+            adapter = _StageAdapter(chunk, first=s == 0, loss_scale=self.loss_scale if s == n - 1 else None)
+            self.stages.append(stage_class(adapter, s, n, state.device, input_args=example_in,
+                                           output_args=example_out, group=state.pp_group, store=self.torch_store))
+
         def loss_fn(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return loss  # the last stage's adapter has reduced it already
 
@@ -168,10 +176,13 @@ class _Sides:
                for k in ("tokens", "labels", "position_ids", "loss_mask")}
         self.torch_args = (cat["tokens"],) if self.has_first else ()
         self.torch_kwargs = cat
-        self.torch_target = torch.cat([b["loss_mask"] for b in self.microbatches]) if self.has_last else None
+        # torch hands its loss function a target per microbatch; ours ignores it (the adapter used the mask).
+        self.torch_target = cat["loss_mask"] if self.has_last else None
 
-    def run(self, side: str) -> dict:
-        """One step of `side` ('ours' or 'torch'): wall and CPU seconds, peak activation bytes, loss."""
+    def run(self, side: str, count: bool = False) -> dict:
+        """One step of `side` ('ours' or 'torch'): wall and CPU seconds, loss and, where counted, peak
+        activation bytes. Ours always counts (its executor's store is part of our runtime); torch's stages
+        count only with `count`, so its timed steps carry no hooks of ours."""
         for p in self.params:
             p.grad = None
         comm.barrier()
@@ -181,15 +192,17 @@ class _Sides:
             loss = float(result.loss_sum) * self.loss_scale if result.loss_sum is not None else None
             peak = result.peak_stash_bytes
         else:
+            for stage in self.stages:
+                stage.store = self.torch_store if count else None
             self.torch_store.reset_peak()
             losses: list = []
             self.torch_schedule.step(*self.torch_args, target=self.torch_target, losses=losses,
                                      return_outputs=False, **self.torch_kwargs)
             loss = float(sum(float(x.detach()) for x in losses)) if self.has_last else None
-            peak = self.torch_store.peak_bytes
-            if self.torch_store.live:
-                raise RuntimeError(f"torch side left stashes {sorted(self.torch_store.live)} after its step")
+            peak = self.torch_store.peak_bytes if count else None
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if side == "torch" and self.torch_store.live:
+            raise RuntimeError(f"torch side left stashes {sorted(self.torch_store.live)} after its step")
         return {"wall_s": wall, "cpu_s": cpu, "peak_activation_bytes": peak, "loss": loss}
 
     def grads(self) -> list[Optional[torch.Tensor]]:
@@ -207,19 +220,22 @@ def _sides(ctx, config, name, pp, m, v, micro_batch, seed) -> _Sides:
 
 
 def worker_check(ctx, config, name, pp, m, v, micro_batch, seed) -> dict:
-    """Untimed: one step of each side from zero gradients; the loss (on the last stage's rank) and the worst
-    relative gradient difference over this rank's parameters, torch's gradients as the reference."""
+    """Untimed: one step of each side from zero gradients, both counting activations: the loss (on the last
+    stage's rank), the peak activation bytes of each side, and the worst relative gradient difference
+    over this rank's parameters, torch's gradients as the reference."""
     sides = _sides(ctx, config, name, pp, m, v, micro_batch, seed)
     ours = sides.run("ours")
     ours_grads = sides.grads()
-    theirs = sides.run("torch")
+    theirs = sides.run("torch", count=True)
     worst = 0.0
     for mine, ref in zip(ours_grads, sides.grads()):
         if (mine is None) != (ref is None):
-            return {"ours_loss": ours["loss"], "torch_loss": theirs["loss"], "grad_rel_diff": float("inf")}
-        if mine is not None:
+            worst = float("inf")
+        elif mine is not None:
             worst = max(worst, float((mine - ref).norm() / ref.norm().clamp_min(1e-30)))
-    return {"ours_loss": ours["loss"], "torch_loss": theirs["loss"], "grad_rel_diff": worst}
+    return {"ours_loss": ours["loss"], "torch_loss": theirs["loss"], "grad_rel_diff": worst,
+            "ours_peak_activation_bytes": ours["peak_activation_bytes"],
+            "torch_peak_activation_bytes": theirs["peak_activation_bytes"]}
 
 
 def worker_step(ctx, config, name, pp, m, v, micro_batch, seed, side) -> dict:
@@ -228,12 +244,15 @@ def worker_step(ctx, config, name, pp, m, v, micro_batch, seed, side) -> dict:
 
 
 def worker_profile(ctx, config, name, pp, m, v, micro_batch, seed, side, steps, top=15) -> list[dict]:
-    """cProfile of `steps` steps of `side` on this rank: the `top` functions by own time, per step."""
+    """cProfile of `steps` steps of `side` on this rank: the `top` functions by own time, per step.
+
+    Timed by the main thread's CPU clock, so that on a shared machine the profile shows the work this rank
+    does, not the time other processes held the cores (waits in receives then cost almost nothing)."""
     import cProfile
     import pstats
 
     sides = _sides(ctx, config, name, pp, m, v, micro_batch, seed)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.thread_time)
     profiler.enable()
     for _ in range(steps):
         sides.run(side)
