@@ -8,6 +8,8 @@ split one: the backward inside `deferring_weight_grads` (BI), then the deferred 
 alternate which comes first; each round times `--steps` backwards of each kind after a warm-up, and the
 figures are the medians of the per-round ratios (BI + BW) / B and BI / B. The issue's targets: BI + BW ≤
 1.05 × B (the split costs next to nothing) and BI ≤ 0.65 × B (what moves out of the critical path).
+Beside the wall-clock ratios, the process's CPU seconds of BI + BW over those of B: on a shared host a
+preempted backward stretches in wall time but not in CPU time, so the two together tell load from cost.
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ def build(hidden: int, seq: int, layers: int, device: torch.device, dtype: torch
     return config, stack, rotary
 
 
-def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, float]:
-    """Forward, then the backward timed: (B, 0) whole, or (BI, BW) split."""
+def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, float, float]:
+    """Forward, then the backward timed: (B, 0, CPU seconds) whole, or (BI, BW, CPU seconds of both) split."""
     for layer in stack:
         layer.zero_grad(set_to_none=True)
     store = WeightGradStore()
@@ -58,16 +60,16 @@ def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, fl
         for layer in stack:
             y = layer(y, rotary, None, None)
         sync(device)
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         y.backward(grad)
         sync(device)
         backward = time.perf_counter() - start
     if not split:
-        return backward, 0.0
+        return backward, 0.0, time.process_time() - cpu
     start = time.perf_counter()
     store.run(0)
     sync(device)
-    return backward, time.perf_counter() - start
+    return backward, time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -93,11 +95,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         times = {}
         for split in ((False, True) if r % 2 == 0 else (True, False)):
             runs = [one_backward(stack, rotary, x, grad, split, device) for _ in range(args.steps)]
-            times[split] = tuple(statistics.median(t[i] for t in runs) for i in (0, 1))
-        whole, (bi, bw) = times[False][0], times[True]
+            times[split] = tuple(statistics.median(t[i] for t in runs) for i in (0, 1, 2))
+        (whole, _, whole_cpu), (bi, bw, split_cpu) = times[False], times[True]
         rounds.append({"b_s": whole, "bi_s": bi, "bw_s": bw, "split_over_whole": (bi + bw) / whole,
-                       "input_over_whole": bi / whole})
-    result = {key: statistics.median(r[key] for r in rounds) for key in ("split_over_whole", "input_over_whole")}
+                       "input_over_whole": bi / whole, "b_cpu_s": whole_cpu, "split_cpu_s": split_cpu,
+                       "split_over_whole_cpu": split_cpu / whole_cpu})
+    result = {key: statistics.median(r[key] for r in rounds)
+              for key in ("split_over_whole", "input_over_whole", "split_over_whole_cpu")}
+    spread = {key: [min(r[key] for r in rounds), max(r[key] for r in rounds)]
+              for key in ("split_over_whole", "input_over_whole", "split_over_whole_cpu")}
     report = {
         "command": "python tools/bench_split_backward.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
@@ -105,12 +111,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         "shape": {"hidden": args.hidden, "seq": args.seq, "layers": args.layers, "micro_batch": 1,
                   "heads": config.num_attention_heads, "query_groups": config.num_query_groups,
                   "ffn": config.ffn_size},
-        "rounds": rounds, **result, "targets": TARGETS,
+        "load_average_at_start": os.getloadavg()[0],
+        "rounds": rounds, **result, "round_range": spread, "targets": TARGETS,
         "targets_met": {"split_over_whole": result["split_over_whole"] <= TARGETS["split_over_whole_max"],
                         "input_over_whole": result["input_over_whole"] <= TARGETS["input_over_whole_max"]},
     }
     print(f"{report['device']}, h={args.hidden} s={args.seq} x{args.layers} layers, {args.rounds} paired rounds: "
-          f"(BI + BW) / B = {result['split_over_whole']:.3f}, BI / B = {result['input_over_whole']:.3f}")
+          f"(BI + BW) / B = {result['split_over_whole']:.3f}, BI / B = {result['input_over_whole']:.3f}, "
+          f"CPU seconds (BI + BW) / B = {result['split_over_whole_cpu']:.3f}")
     if args.json:
         write_json(args.json, report)
     return 0

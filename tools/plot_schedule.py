@@ -286,7 +286,7 @@ def read_trace(path: str, schedule: Schedule) -> Executed:
     planned = [{str(a) for a in acts} for acts in schedule.actions]
     executed: Executed = [[] for _ in range(ranks)]
     for pid, name, start, duration in slices:
-        if " " in name:  # a batch of sends and receives
+        if " " in name:  # a batch of sends and receives, or the wait nested in an action's slice
             continue
         action = Action.parse(name)
         if not (action.is_compute or action.op in TRANSFER_OPS):

@@ -35,13 +35,16 @@ class Transfer:
     work: Optional[dist.Work]
 
     def wait(self) -> tuple[torch.Tensor, float]:
-        """Block until the data has arrived; return the buffer and the seconds spent waiting."""
+        """Block until the data has arrived; return the buffer and the seconds spent blocked (0.0 when the
+        data was already in: the call's own few microseconds are not a wait, and a trace's wait slice
+        then marks exactly the receives the consumer had to wait for)."""
         if self.work is None:
             return self.buffer, 0.0
         start = time.perf_counter()
+        blocked = not self.work.is_completed()
         self.work.wait()
         self.work = None
-        return self.buffer, time.perf_counter() - start
+        return self.buffer, time.perf_counter() - start if blocked else 0.0
 
 
 @dataclass

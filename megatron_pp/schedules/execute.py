@@ -99,7 +99,9 @@ class StepResult:
     peak_stash_bytes: int  # device-resident (with offload: not counting what sits in host memory)
     peak_stash_count: int
     comm_wait_s: float
-    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end), seconds
+    # (action, start, end), seconds, when tracing; a compute action that blocked on its received input
+    # also has a ("wait <action>", start, end) slice inside its own.
+    events: list[tuple[str, float, float]] = field(default_factory=list)
     peak_host_bytes: int = 0  # host buffers holding offloaded stashes (PipeOffload), peak over the step
     started: float = 0.0  # time.perf_counter() when the step began: `events` are relative to it
 
@@ -251,6 +253,7 @@ class PipelineExecutor:
             self.store.reset_peak()
         events: list[tuple[str, float, float]] = []
         t0 = time.perf_counter()
+        self._t0, self._blocked = t0, []
 
         actions, i = (self.actions if segment is None else segment), 0
         if forward_only:
@@ -274,7 +277,12 @@ class PipelineExecutor:
             if self.trace:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                events.append((" ".join(map(str, actions[first:i])), start, time.perf_counter() - t0))
+                label = " ".join(map(str, actions[first:i]))
+                events.append((label, start, time.perf_counter() - t0))
+                # Time blocked on the action's received input, nested in its slice: what is left of the
+                # slice is the rank's own work (tools/trace_vs_sim.py measures action costs so).
+                events.extend((f"wait {label}", s, e) for s, e in self._blocked)
+                self._blocked.clear()
         if self.comm is not None:
             self.comm.drain()
         if not forward_only:
@@ -300,6 +308,9 @@ class PipelineExecutor:
         if isinstance(item, Transfer):
             item, waited = item.wait()
             self._wait_s += waited
+            if self.trace and waited > 0:
+                end = time.perf_counter() - self._t0
+                self._blocked.append((end - waited, end))
         return item
 
     def _forward(self, action: Action) -> None:

@@ -1,5 +1,7 @@
 """Point-to-point: freeing sent activations keeps the backward exact, and on gloo receives are posted ahead
-of their batches in each link's order."""
+of their batches in each link's order, and a receive already in costs no wait."""
+import time
+
 import pytest
 import torch
 
@@ -94,3 +96,24 @@ def test_post_receive_is_refused_where_batches_are_needed():
     comm = p2p.PipelineComm(None, [0, 1], batched=True)
     with pytest.raises(RuntimeError, match="posted with its batch"):
         comm.post_receive(torch.empty(1), 1)
+
+
+class _Work:
+    def __init__(self, done: bool):
+        self.done, self.waited = done, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            time.sleep(0.01)  # the data arrives while the consumer is blocked
+        self.waited = True
+
+
+def test_a_receive_already_in_is_not_counted_as_a_wait():
+    # The executor's wait slices and `comm_wait_s` count only receives the consumer actually blocked on.
+    arrived, late = p2p.Transfer(torch.zeros(1), _Work(True)), p2p.Transfer(torch.zeros(1), _Work(False))
+    (_, none), (_, some) = arrived.wait(), late.wait()
+    assert none == 0.0 and some >= 0.01
+    assert arrived.work is None and late.work is None

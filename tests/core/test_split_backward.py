@@ -136,3 +136,28 @@ def test_recomputed_inputs_held_for_bw_count_in_the_stash():
     assert grown_plain == gradients  # the inputs were saved by the forward already
     assert grown_recomputed == gradients + recomputed
     assert total_recomputed < total_plain  # still less than the whole forward's saved tensors
+
+
+def test_bw_frees_each_gemms_inputs_once_it_has_run(monkeypatch):
+    # Holding every deferred GEMM's inputs until the last one ran grew the heap past what the whole
+    # backward needs, and the allocator gave pages back and faulted them in again every step.
+    import weakref
+
+    from megatron_pp.core.tensor_parallel import layers
+
+    modules = _mlp()
+    store = WeightGradStore()
+    with deferring_weight_grads(store, "mb0"):
+        x = torch.randn(4, 2, 16, requires_grad=True)
+        modules[1](torch.nn.functional.gelu(modules[0](x))).square().sum().backward()
+    alive_at_run, done = [], []
+    real_run = layers._DeferredGemm.run
+
+    def run(gemm):
+        alive_at_run.append([ref() is not None for ref in done])
+        real_run(gemm)
+        done.append(weakref.ref(gemm.grad_out))
+
+    monkeypatch.setattr(layers._DeferredGemm, "run", run)
+    assert store.run("mb0") == 2
+    assert alive_at_run == [[], [False]]

@@ -171,11 +171,12 @@ class _DeferredGemm:
         if folds_into_main_grad(weight):
             add_to_main_grad(weight, self.grad_out, total)
             return
-        g = self.grad_out.reshape(-1, self.grad_out.size(-1)).t().matmul(total.reshape(-1, total.size(-1)))
+        g_t = self.grad_out.reshape(-1, self.grad_out.size(-1)).t()
+        x = total.reshape(-1, total.size(-1))
         if weight.grad is None:
-            weight.grad = g.to(weight.dtype)
-        else:
-            weight.grad.add_(g)
+            weight.grad = g_t.matmul(x).to(weight.dtype)
+        else:  # accumulate in place: no weight-sized temporary per microbatch
+            weight.grad.addmm_(g_t, x)
         notify = getattr(weight, "grad_added", None)
         if notify is not None:  # a GradientReducer counts this contribution (autograd's hook did not run)
             notify()
@@ -200,10 +201,16 @@ class WeightGradStore:
     def run(self, key: object) -> int:
         """Compute and accumulate `key`'s weight gradients; returns how many GEMMs ran."""
         gemms = self._pending.pop(key, [])
+        count = len(gemms)
+        gemms.reverse()
         with torch.no_grad():  # gradients are data here, as inside autograd's own accumulation
-            for gemm in gemms:
-                gemm.run()
-        return len(gemms)
+            while gemms:
+                # In the order BI deferred them, each one's inputs freed as soon as its GEMM is done: the
+                # next weight gradient then reuses that memory instead of growing the heap. Holding them
+                # all to the end made the allocator return and re-fault pages every step (measured:
+                # 40% more page faults than the whole backward, most of the split's extra time on CPU).
+                gemms.pop().run()
+        return count
 
     @property
     def pending(self) -> list[object]:
