@@ -167,19 +167,24 @@ class Evaluator:
     def stages(self, c: Configuration) -> list[StageSpec]:
         return split_layers(self.job.config.num_layers, c.pp, c.num_chunks)
 
-    def stage_stash_bytes(self, c: Configuration) -> list[int]:
-        """Bytes of one (microbatch, stage) stash for every global stage."""
+    def _activation_bytes_per_stage(self, c: Configuration, kind: str, formula) -> list[int]:
+        """`formula(config, spec, b, ...)` (a `planning.memory` byte count) for every global stage, cached:
+        a search asks for the same few stage kinds (layer count, embedding, head) thousands of times."""
         out = []
         for spec in self.stages(c):
-            # A search asks for the same few stage kinds (layer count, embedding, head) thousands of times.
-            key = ("stash", c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding, spec.has_head)
+            key = (kind, c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding, spec.has_head)
             if key not in self._per_stage:
                 job = self.job
-                self._per_stage[key] = stash_bytes(job.config, spec, c.micro_batch_size, tp=c.tp,
-                                                   sequence_parallel=c.sequence_parallel, attention=job.attention,
-                                                   recompute=c.recompute, numerics=job.numerics)
+                self._per_stage[key] = formula(job.config, spec, c.micro_batch_size, tp=c.tp,
+                                               sequence_parallel=c.sequence_parallel, recompute=c.recompute,
+                                               numerics=job.numerics)
             out.append(self._per_stage[key])
         return out
+
+    def stage_stash_bytes(self, c: Configuration) -> list[int]:
+        """Bytes of one (microbatch, stage) stash for every global stage."""
+        return self._activation_bytes_per_stage(
+            c, "stash", lambda *args, **kw: stash_bytes(*args, attention=self.job.attention, **kw))
 
     def stage_parameters(self, c: Configuration) -> list[int]:
         """Parameters one GPU of every global stage holds."""
@@ -227,16 +232,7 @@ class Evaluator:
 
     def stage_held_bytes(self, c: Configuration) -> list[int]:
         """Bytes a (microbatch, stage) stash holds beyond its own from a deferred BW's BI until that BW."""
-        out = []
-        for spec in self.stages(c):
-            key = ("held", c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding, spec.has_head)
-            if key not in self._per_stage:
-                job = self.job
-                self._per_stage[key] = deferred_weight_grad_bytes(
-                    job.config, spec, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
-                    recompute=c.recompute, numerics=job.numerics)
-            out.append(self._per_stage[key])
-        return out
+        return self._activation_bytes_per_stage(c, "held", deferred_weight_grad_bytes)
 
     def costs(self, c: Configuration, stash: Sequence[float]) -> CostModel:
         """The simulator's cost model of `c` (see the module docstring)."""
