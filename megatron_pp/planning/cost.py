@@ -10,10 +10,11 @@ unrolled `steps` of a flush-free schedule follow the option rules of `planning.p
 **Time.** Global stage `s` (one chunk) runs `F_s = L_s·t_F(b)` and `B_s = L_s·(t_B(b) + recompute)`, plus
 the output layer and cross-entropy on the last stage (`efficiency.head_times`). Layer times and what
 recomputation re-runs come from a `tools/bench_layer.py` measurement (`efficiency.MeasuredCurve`) or the
-roofline (`efficiency.Roofline`), tensor-parallel collectives included. A split backward is still timed
-as BI = B_s and BW = 0 (our simplification, from before the executor split the weight GEMMs off into BW:
-pessimistic for schedules that place BW in a bubble; tools/bench_split_backward.py measures the split). The embedding lookup is not timed (a gather, well under
-1% of a stage). A stage boundary sends `s·b·h` activations (`s·b·h/tp` under sequence parallelism) over
+roofline (`efficiency.Roofline`), tensor-parallel collectives included. Where a list splits a backward,
+BW_s is the stage's weight-gradient GEMMs (`LayerTimes.weight_grad_s` per layer, plus an untied output
+layer's, `efficiency.head_weight_grad_s`) and BI_s = B_s − BW_s keeps the rest (recomputation and the
+collectives included); which op a list runs decides which cost applies, never the schedule's name. The
+embedding lookup is not timed (a gather, well under 1% of a stage). A stage boundary sends `s·b·h` activations (`s·b·h/tp` under sequence parallelism) over
 NVLink when the whole job fits in one node, else over the network (Megatron's rank order puts pipeline
 neighbours tp·dp ranks apart, so some hop crosses nodes). Offload copies take stash bytes / host link
 (PCIe); peer transfers (BPipe's EVICT/LOAD) stash bytes / the pipeline link. After its last action each
@@ -39,6 +40,11 @@ without `--overlap-grad-reduce`). The step time is the latest rank's end of all 
                                       by its stage's `memory.stash_bytes`, at its peak: host-parked stashes
                                       do not count, a stash parked on a peer counts on the peer
                                       (`resident_peaks`; `list_order_peaks` when nothing moves)
+    deferred weight gradients         a (microbatch, chunk) whose BW does not follow its BI in the rank's list
+                                      (`schedules.execute.deferred_backwards`, the executor's own rule) also
+                                      holds `memory.deferred_weight_grad_bytes` from its BI to its BW: the
+                                      output gradients of its linear layers (and, under full recompute,
+                                      their rebuilt inputs), as the executor's store counts them
     recomputation transient           one layer rebuilt during the backward (`transient_activation_bytes`)
 
 A configuration fits when its worst rank is within the GPU memory minus a reserve (10%, as the BPipe
@@ -60,11 +66,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from megatron_pp.models.layout import StageSpec, split_layers
-from megatron_pp.planning.efficiency import EfficiencyModel, LayerShape, MeasuredCurve, Roofline, head_times
+from megatron_pp.planning.efficiency import (EfficiencyModel, LayerShape, MeasuredCurve, Roofline, head_times,
+                                             head_weight_grad_s)
 from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction, ScheduleUnavailable
-from megatron_pp.planning.memory import (stage_parameters_per_gpu, state_bytes_per_parameter, stash_bytes,
-                                         transient_activation_bytes)
+from megatron_pp.planning.memory import (deferred_weight_grad_bytes, stage_parameters_per_gpu,
+                                         state_bytes_per_parameter, stash_bytes, transient_activation_bytes)
 from megatron_pp.schedules.comm import insert_communication
+from megatron_pp.schedules.execute import deferred_backwards
 from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule
 from megatron_pp.schedules.offload import OffloadWarning
 from megatron_pp.schedules.registry import build_schedule, get_schedule
@@ -103,6 +111,8 @@ class _Prepared:
     configuration: Configuration
     m: int
     stash: list[int]
+    held: list[int]
+    """Per global stage, what a deferred BW holds from its BI until it runs (`memory.deferred_weight_grad_bytes`)."""
     transient: float
     versions: int
     groups: list[tuple[Schedule, ...]]
@@ -157,19 +167,24 @@ class Evaluator:
     def stages(self, c: Configuration) -> list[StageSpec]:
         return split_layers(self.job.config.num_layers, c.pp, c.num_chunks)
 
-    def stage_stash_bytes(self, c: Configuration) -> list[int]:
-        """Bytes of one (microbatch, stage) stash for every global stage."""
+    def _activation_bytes_per_stage(self, c: Configuration, kind: str, formula) -> list[int]:
+        """`formula(config, spec, b, ...)` (a `planning.memory` byte count) for every global stage, cached:
+        a search asks for the same few stage kinds (layer count, embedding, head) thousands of times."""
         out = []
         for spec in self.stages(c):
-            # A search asks for the same few stage kinds (layer count, embedding, head) thousands of times.
-            key = ("stash", c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding, spec.has_head)
+            key = (kind, c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding, spec.has_head)
             if key not in self._per_stage:
                 job = self.job
-                self._per_stage[key] = stash_bytes(job.config, spec, c.micro_batch_size, tp=c.tp,
-                                                   sequence_parallel=c.sequence_parallel, attention=job.attention,
-                                                   recompute=c.recompute, numerics=job.numerics)
+                self._per_stage[key] = formula(job.config, spec, c.micro_batch_size, tp=c.tp,
+                                               sequence_parallel=c.sequence_parallel, recompute=c.recompute,
+                                               numerics=job.numerics)
             out.append(self._per_stage[key])
         return out
+
+    def stage_stash_bytes(self, c: Configuration) -> list[int]:
+        """Bytes of one (microbatch, stage) stash for every global stage."""
+        return self._activation_bytes_per_stage(
+            c, "stash", lambda *args, **kw: stash_bytes(*args, attention=self.job.attention, **kw))
 
     def stage_parameters(self, c: Configuration) -> list[int]:
         """Parameters one GPU of every global stage holds."""
@@ -206,15 +221,30 @@ class Evaluator:
         return [(spec.num_layers * layer.forward_s + (head_f if spec.has_head else 0.0),
                  spec.num_layers * backward + (head_b if spec.has_head else 0.0)) for spec in self.stages(c)]
 
+    def stage_weight_grad_times(self, c: Configuration) -> list[float]:
+        """Seconds of every global stage's weight-gradient GEMMs for one microbatch: its BW when a list
+        splits the backward (part of `stage_times`' B)."""
+        layer = self.efficiency(c.tp).layer_times(c.micro_batch_size)
+        config = self.job.config
+        head = (head_weight_grad_s(config, c.micro_batch_size, c.tp, self.cluster.hardware)
+                if config.untie_embeddings_and_output_weights else 0.0)
+        return [spec.num_layers * layer.weight_grad_s + (head if spec.has_head else 0.0) for spec in self.stages(c)]
+
+    def stage_held_bytes(self, c: Configuration) -> list[int]:
+        """Bytes a (microbatch, stage) stash holds beyond its own from a deferred BW's BI until that BW."""
+        return self._activation_bytes_per_stage(c, "held", deferred_weight_grad_bytes)
+
     def costs(self, c: Configuration, stash: Sequence[float]) -> CostModel:
         """The simulator's cost model of `c` (see the module docstring)."""
         job, cluster = self.job, self.cluster
         # Some pipeline hop crosses nodes as soon as the job does (Megatron's rank order: tp, dp, then pp).
         pipeline_link = cluster.link_bytes_per_s(cluster.num_gpus)
         measured: dict[tuple[Op, int], float] = {}
+        weight_grads = self.stage_weight_grad_times(c)
         for s, (forward, backward) in enumerate(self.stage_times(c)):
             host, peer = stash[s] / cluster.host_bytes_per_s, stash[s] / pipeline_link
-            measured.update({(Op.F, s): forward, (Op.B, s): backward, (Op.BI, s): backward, (Op.BW, s): 0.0,
+            w = min(weight_grads[s], backward)
+            measured.update({(Op.F, s): forward, (Op.B, s): backward, (Op.BI, s): backward - w, (Op.BW, s): w,
                              (Op.OFFLOAD, s): host, (Op.RELOAD, s): host, (Op.EVICT, s): peer, (Op.LOAD, s): peer})
         rows = job.config.seq_length * c.micro_batch_size // (c.tp if c.sequence_parallel else 1)
         boundary = rows * job.config.hidden_size * job.numerics.activation_bytes / pipeline_link
@@ -358,13 +388,14 @@ class Evaluator:
         work = [m * sum(costs.duration(op, reference.stage_of(rank, chunk))
                         for op in (Op.F, Op.B) for chunk in range(c.num_chunks)) for rank in range(c.pp)]
         transfers = any(a.op in TRANSFER_OPS for group in groups for s in group for acts in s.actions for a in acts)
-        prepared = _Prepared(c, m, stash, self._transient(c), versions, groups, params, state, costs, transfers,
+        prepared = _Prepared(c, m, stash, self.stage_held_bytes(c), self._transient(c), versions, groups, params, state, costs, transfers,
                              after, max(w + a for w, a in zip(work, after)))
         if not transfers:
             # Without stash transfers the resident stashes follow list order alone, whatever the timing,
             # so the memory is known now and a configuration that cannot fit is never simulated.
             prepared.memory = self._memory(prepared, [
-                _Replay(size, list_order_peaks(group[-1], stash), list_order_peaks(group[-1], [1] * len(stash)))
+                _Replay(size, list_order_peaks(group[-1], stash, prepared.held),
+                        list_order_peaks(group[-1], [1] * len(stash)))
                 for size, group in zip(prepared.sizes, groups)])
         return prepared
 
@@ -379,7 +410,7 @@ class Evaluator:
             group = self._group(c, size, runnable=True)
             sims = [self._simulate(s, prepared.costs) for s in group]
             if prepared.memory is None:
-                stash = resident_peaks(group[-1], sims[-1], prepared.stash)
+                stash = resident_peaks(group[-1], sims[-1], prepared.stash, prepared.held)
                 count = [float(n) for n in sims[-1].peak_stash]
             else:
                 stash, count = list(prepared.memory.stash_bytes), list(prepared.memory.peak_stashes)
@@ -464,24 +495,33 @@ def live_weight_versions(schedule: Schedule) -> int:
     return most
 
 
-def list_order_peaks(schedule: Schedule, stage_bytes: Sequence[float]) -> list[float]:
+def list_order_peaks(schedule: Schedule, stage_bytes: Sequence[float],
+                     held_bytes: Optional[Sequence[float]] = None) -> list[float]:
     """Peak stash bytes per rank of a schedule that moves no stashes: walking each rank's list, + a
-    stash at its F, − at its B (or BW). Compute runs in list order on a rank, so this is the simulator's
-    curve under any cost model (`resident_peaks` of any simulation; tested)."""
+    stash at its F, − at its B (or BW); with `held_bytes`, + those of its stage at a BI whose BW is
+    deferred (`deferred_backwards`) and − again at that BW. Compute runs in list order on a rank, so this
+    is the simulator's curve under any cost model (`resident_peaks` of any simulation; tested)."""
     peaks = []
     for rank, acts in enumerate(schedule.actions):
+        deferred = deferred_backwards(acts) if held_bytes is not None else set()
         level = peak = 0.0
         for a in acts:
             if a.op is Op.F:
                 level += stage_bytes[schedule.stage_of(rank, a.chunk)]
                 peak = max(peak, level)
+            elif a.op is Op.BI and (a.microbatch, a.chunk) in deferred:
+                level += held_bytes[schedule.stage_of(rank, a.chunk)]
+                peak = max(peak, level)
             elif a.op is Op.B or a.op is Op.BW:
                 level -= stage_bytes[schedule.stage_of(rank, a.chunk)]
+                if (a.microbatch, a.chunk) in deferred:
+                    level -= held_bytes[schedule.stage_of(rank, a.chunk)]
         peaks.append(peak)
     return peaks
 
 
-def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[float]) -> list[float]:
+def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[float],
+                   held_bytes: Optional[Sequence[float]] = None) -> list[float]:
     """Peak device-resident stash bytes per rank: the simulator's stash curve with each (microbatch,
     chunk) weighted by its stage's bytes.
 
@@ -490,7 +530,9 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
     stash counts on its peer from the peer's ACCEPT until the LOAD has delivered it back. Events of a
     rank's own actions at equal times keep list order, as the simulator records them; a peer's events
     at equal times are taken pessimistically (arrivals first, departures last). With unit bytes this
-    reproduces `SimResult.peak_stash` on every rank that hosts no guests (tested).
+    reproduces `SimResult.peak_stash` on every rank that hosts no guests (tested). With `held_bytes`, a
+    (microbatch, chunk) whose BW is deferred also holds its stage's held bytes from the end of its BI to
+    the end of its BW (`list_order_peaks`).
 
     A rank that hosts a peer's stashes allocates them at its ACCEPT but frees them only when the peer's
     LOAD has taken them back (`schedules.peer_store.AcceptorStore`), which on a real machine depends on
@@ -501,11 +543,15 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
     """
     events: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.num_ranks)]
     for rank, line in enumerate(sim.timeline):
+        deferred = deferred_backwards(schedule.actions[rank]) if held_bytes is not None else set()
         for index, (action, start, end) in enumerate(line):
             op = action.op
             if action.chunk is None or action.microbatch is None:
                 continue
             size = float(stage_bytes[schedule.stage_of(rank, action.chunk)])
+            if (action.microbatch, action.chunk) in deferred and op in (Op.BI, Op.BW):
+                held = float(held_bytes[schedule.stage_of(rank, action.chunk)])
+                events[rank].append((end, index, held if op is Op.BI else -held))
             if op is Op.F:
                 events[rank].append((start, index, size))
             elif op in (Op.B, Op.BW):

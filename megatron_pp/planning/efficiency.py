@@ -92,10 +92,11 @@ _HDR_IB = ("HDR InfiniBand, 200 Gb/s = 25 GB/s per direction per adapter; one ad
            "(8 single-port ConnectX-6 for compute); the BPipe paper names HDR InfiniBand, not the adapter count")
 
 _A100_ACHIEVED = ("PipeOffload (arXiv 2503.01328, Fig. 1 and its offload-time formula) takes 220 TFLOP/s achieved "
-                  "on A100 in training: 220 / 312 = 0.705 (launch/hardware/a100-80gb.yaml uses the same figure)")
+                  "on A100 in training: 220 / 312 = 0.705")
 _H100_ACHIEVED = ("Llama 3 (arXiv 2407.21783, §3.3.2, Table 4): 430 TFLOP/s per GPU, BF16 MFU 43%, pretraining the "
                   "405B model on 8,192 H100s: 430 / 989.5 = 0.435, an end-to-end figure (bubbles and communication "
-                  "included), so a lower bound on the matmul efficiency")
+                  "included), so a lower bound on the matmul efficiency. PipeOffload's public code assumes 440 TFLOP/s (0.445), "
+                  "a code constant rather than a measurement; the published run is preferred")
 
 A100_80GB = HardwareProfile(
     name="A100-SXM4-80GB",
@@ -260,6 +261,9 @@ class LayerTimes:
     """Forward of the attention core alone: what selective recomputation runs again."""
     model_flops: float
     """3 × forward model FLOPs (what MFU counts)."""
+    weight_grad_s: float = 0.0
+    """The share of `backward_s` that is the linear layers' weight-gradient GEMMs: what a split backward
+    defers from BI to BW (`core.tensor_parallel.layers`); the rest, with the collectives, stays in BI."""
 
     def compute_s(self, recompute: str) -> float:
         """Forward + backward, plus what `recompute` re-runs before the backward."""
@@ -307,6 +311,10 @@ def _elementwise(name: str, read: float, write: float) -> tuple[Kernel, Kernel]:
     """A memory-bound kernel; its backward reads the output gradient and the saved input and writes the
     input gradient, taken as twice the forward's traffic."""
     return Kernel(name, 0.0, read + write), Kernel(name + " backward", 0.0, 2 * (read + write))
+
+
+LINEAR_GEMMS = ("qkv", "projection", "fc1", "fc2")
+"""The products of a layer with a weight: the ones whose weight gradient a split backward defers to BW."""
 
 
 def kernels(shape: LayerShape, micro_batch_size: int,
@@ -398,11 +406,13 @@ class Roofline:
     def layer_times(self, micro_batch_size: int) -> LayerTimes:
         fwd, bwd, core = kernels(self.shape, micro_batch_size, self.attention)
         comm = tp_communication_s(self.shape, micro_batch_size, self.hardware)
+        weight_grads = {name + " wgrad" for name in LINEAR_GEMMS}
         return LayerTimes(
             forward_s=sum(k.seconds(self.hardware) for k in fwd) + comm,
             backward_s=sum(k.seconds(self.hardware) for k in bwd) + comm,
             core_forward_s=sum(k.seconds(self.hardware) for k in core),
             model_flops=3 * self.shape.forward_model_flops(micro_batch_size),
+            weight_grad_s=sum(k.seconds(self.hardware) for k in bwd if k.name in weight_grads),
         )
 
     def describe(self) -> str:
@@ -427,6 +437,13 @@ def head_times(config: TransformerConfig, micro_batch_size: int, tp: int, sequen
     forward = [norm_fwd, logits_fwd, Kernel("cross-entropy", 0.0, (A + 36) * T * vocab)]
     backward = [norm_bwd, *logits_bwd, Kernel("cross-entropy backward", 0.0, (12 + A) * T * vocab)]
     return sum(k.seconds(hw) for k in forward), sum(k.seconds(hw) for k in backward)
+
+
+def head_weight_grad_s(config: TransformerConfig, micro_batch_size: int, tp: int, hw: HardwareProfile) -> float:
+    """Seconds of the output layer's weight-gradient GEMM (part of `head_times`' backward): what a split
+    backward defers to BW when the output layer owns its weight (untied; a tied one stays in BI)."""
+    vocab = config.padded_vocab_size(tp) // tp
+    return _matmul("logits", config.seq_length * micro_batch_size, config.hidden_size, vocab)[1][1].seconds(hw)
 
 
 # Measured curves ----------------------------------------------------------------------------------------
@@ -477,11 +494,14 @@ class MeasuredCurve:
         flops = self.shape.forward_model_flops(micro_batch_size)
         core = self.shape.core_forward_model_flops(micro_batch_size)
         comm = tp_communication_s(self.shape, micro_batch_size, self.hardware)
+        backward = 2 * flops / self._rate_at(micro_batch_size, "backward_ms", "backward_flops")
         return LayerTimes(
             forward_s=flops / self._rate_at(micro_batch_size, "forward_ms", "forward_flops") + comm,
-            backward_s=2 * flops / self._rate_at(micro_batch_size, "backward_ms", "backward_flops") + comm,
+            backward_s=backward + comm,
             core_forward_s=core / self._rate_at(micro_batch_size, "core_forward_ms", "core_forward_flops"),
             model_flops=3 * flops,
+            # The weight GEMMs do the linear layers' forward FLOPs again, at the backward's measured rate.
+            weight_grad_s=backward * (flops - core) / (2 * flops),
         )
 
     def describe(self) -> str:

@@ -323,6 +323,37 @@ def transient_activation_bytes(
     return sum(terms.values())
 
 
+def deferred_weight_grad_bytes(
+    config: TransformerConfig,
+    spec: StageSpec,
+    micro_batch_size: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    numerics: Numerics = MEGATRON_BF16,
+) -> int:
+    """Bytes a stage's stash keeps beyond `stash_bytes` from a split backward's BI until its BW, when the BW
+    does not follow right after (`core.tensor_parallel.layers.WeightGradStore`): every deferred linear
+    layer's output gradient (QKV `s·b·(a+2g)d/t`, projection and fc2 `s·b·h`, fc1 `s·b·f/t`, twice f for
+    SwiGLU; an untied output layer's `s·b·V/t`) and, under full recomputation, the layer inputs that BI
+    rebuilt outside the stash (`rows·h` for QKV and fc1, `s·b·a·d/t` and `s·b·f/t` for projection and fc2;
+    otherwise the inputs are the forward's saved tensors, already counted)."""
+    s, b, h, d = config.seq_length, micro_batch_size, config.hidden_size, config.head_dim
+    A = numerics.activation_bytes
+    tokens = s * b
+    rows = _rows(config, micro_batch_size, tp, sequence_parallel)
+    heads, groups, f = config.num_attention_heads // tp, config.query_groups // tp, config.ffn_size // tp
+    fc1 = 2 * f if config.activation == "swiglu" else f
+    per_layer = tokens * ((heads + 2 * groups) * d + h + fc1 + h) * A
+    if recompute == "full":
+        per_layer += (2 * rows * h + tokens * (heads * d + f)) * A
+    total = spec.num_layers * per_layer
+    if spec.has_head and config.untie_embeddings_and_output_weights:
+        total += tokens * (config.padded_vocab_size(tp) // tp) * A
+    return total
+
+
 # Weights, gradients, optimizer state ----------------------------------------------------------------------
 
 

@@ -62,7 +62,7 @@ def reproduce(paper: str, *, quick: bool = False, small: Optional[SmallScale] = 
     if quick and paper == "bpipe":
         kwargs["models"] = ("96b",)
     if quick and paper == "pipeoffload":
-        kwargs["cells"] = [("10.5b", 4096)]
+        kwargs["cells"], kwargs["figures"] = [("10.5b", 4096)], (15,)
     if hardware:
         kwargs["hardware"] = hardware
     if efficiency_file:

@@ -147,6 +147,10 @@ EXECUTOR_CASES = [  # (preset, attention backend, global batch, configuration); 
     ("gpt-tiny", "reference", 8, Configuration(1, 2, 1, 1, "none", "looped-bfs", 2)),
     ("llama-tiny", "reference", 8, Configuration(1, 4, 1, 1, "none", "bpipe")),
     ("gpt-tiny", "reference", 8, Configuration(1, 4, 1, 1, "none", "1f1b", 1, (("offload_chunks", 1),))),
+    # Deferred BW: the output gradients held from BI to BW (an untied head's logits gradient on LLaMA), and
+    # under full recompute the layer inputs BI rebuilt as well.
+    ("llama-tiny", "reference", 8, Configuration(1, 2, 1, 1, "none", "zb-v", 2)),
+    ("gpt-tiny", "reference", 8, Configuration(1, 4, 1, 1, "full", "zb-h1")),
 ]
 
 

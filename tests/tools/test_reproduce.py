@@ -7,11 +7,13 @@ import sys
 import time
 
 import pytest
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_pp.planning import reproduce as rp  # noqa: E402
+from megatron_pp.planning.efficiency import HARDWARE_PROFILES  # noqa: E402
 from megatron_pp.planning.papers.common import load_hardware_profile, relative_error  # noqa: E402
 from megatron_pp.planning.reproduce import DOCUMENT, check_document, document_tables  # noqa: E402
 from megatron_pp.planning.papers.small import predicted_stash_peaks, tiny_config  # noqa: E402
@@ -33,6 +35,31 @@ def test_hardware_profiles_cite_every_number(name):
     assert set(numbers) <= set(raw["sources"]), "every number needs a source"
     assert profile.peak_tflops > 0 and 0 < profile.matmul_efficiency <= 1 and profile.gpus_per_node == 8
     assert raw["pcie_gbps"] > 0
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_matmul_efficiency_has_one_home(name, tmp_path):
+    """The planner's built-in profile is the only home of a GPU's achieved efficiency: the YAML the paper
+    reproductions read carries none for it, loading gives the planner's value and source, and a YAML that
+    adds its own is refused. Numbers both files carry must agree."""
+    path = os.path.join(ROOT, "launch", "hardware", name + ".yaml")
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    builtin = next((p for p in HARDWARE_PROFILES.values() if p.name == raw["name"]), None)
+    profile, _ = load_hardware_profile(name, "fp16")
+    if builtin is None:
+        assert "matmul_efficiency" in raw  # a GPU the planner does not know keeps its own (V100: 2BW's figure)
+        return
+    assert "matmul_efficiency" not in raw and "matmul_efficiency" not in raw["sources"]
+    assert profile.matmul_efficiency == builtin.matmul_efficiency
+    assert profile.sources["matmul_efficiency"] == builtin.sources["matmul_efficiency"]
+    for field in ("peak_tflops", "memory_gib", "hbm_gbps", "tp_link_gbps", "pair_link_gbps", "gpus_per_node"):
+        assert getattr(profile, field) == getattr(builtin, field), field
+    drifted = tmp_path / "drifted.yaml"
+    drifted.write_text(yaml.safe_dump({**raw, "matmul_efficiency": 0.5,
+                                       "sources": {**raw["sources"], "matmul_efficiency": "a second home"}}))
+    with pytest.raises(ValueError, match="lives in megatron_pp/planning/efficiency.py"):
+        load_hardware_profile(str(drifted), "fp16")
 
 
 def test_v100_has_no_bf16_peak():

@@ -15,7 +15,8 @@ import yaml
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.planning.bpipe_estimator import Job
-from megatron_pp.planning.efficiency import HardwareProfile, LayerTimes, MeasuredCurve, Roofline, head_times
+from megatron_pp.planning.efficiency import (HARDWARE_PROFILES, HardwareProfile, LayerTimes, MeasuredCurve, Roofline,
+                                             head_times)
 from megatron_pp.planning.memory import attention_kind
 from megatron_pp.schedules.ir import Op
 
@@ -122,12 +123,31 @@ def load_hardware_profile(name: str, dtype: str = "bf16") -> tuple[HardwareProfi
     missing = [k for k in raw if k not in ("sources", "name") and raw[k] is not None and k not in raw["sources"]]
     if missing:
         raise ValueError(f"{path}: numbers without a source: {', '.join(missing)}")
+    sources = dict(raw["sources"])
+    efficiency = builtin_efficiency(raw["name"])
+    if efficiency is not None:
+        if "matmul_efficiency" in raw:
+            raise ValueError(f"{path}: matmul_efficiency of {raw['name']} lives in megatron_pp/planning/efficiency.py "
+                             "(the planner's profile); remove it here")
+        sources["matmul_efficiency"] = efficiency[1]
+        efficiency_value = efficiency[0]
+    elif "matmul_efficiency" in raw:
+        efficiency_value = float(raw["matmul_efficiency"])
+    else:
+        raise ValueError(f"{path}: no matmul_efficiency, and the planner has no built-in profile named {raw['name']!r}")
     profile = HardwareProfile(
         name=raw["name"], peak_tflops=float(peak), memory_gib=float(raw["memory_gib"]), hbm_gbps=float(raw["hbm_gbps"]),
         tp_link_gbps=float(raw["nvlink_gbps"]), pair_link_gbps=float(raw["ib_gbps"]),
-        gpus_per_node=int(raw["gpus_per_node"]), matmul_efficiency=float(raw["matmul_efficiency"]),
-        sources=dict(raw["sources"]))
-    return profile, raw
+        gpus_per_node=int(raw["gpus_per_node"]), matmul_efficiency=efficiency_value, sources=sources)
+    return profile, {**raw, "matmul_efficiency": efficiency_value, "sources": sources}
+
+
+def builtin_efficiency(gpu: str) -> Optional[tuple[float, str]]:
+    """(matmul efficiency, its source) of the planner's built-in profile for GPU `gpu` (a profile's `name`), or
+    None. The achieved efficiency has one home, `planning.efficiency.HARDWARE_PROFILES`: a hardware YAML of a
+    GPU the planner knows leaves it out, so the planner and the paper reproductions cannot disagree on it."""
+    profile = next((p for p in HARDWARE_PROFILES.values() if p.name == gpu), None)
+    return None if profile is None else (profile.matmul_efficiency, profile.sources["matmul_efficiency"])
 
 
 def _flags(values: dict) -> list[str]:
