@@ -115,12 +115,13 @@ def test_transfers_over_the_network_are_charged():
 
 def test_the_estimator_can_say_bpipe_loses_and_wins():
     """The answer is not forced by the candidate set (K = p, plain 1F1B, is never a BPipe candidate). GPT-3
-    13B without flash attention on two 4-GPU nodes: on a GPU large enough for 1F1B without recomputation,
-    BPipe's evictions of 5.6 GB stashes cross the network slower than a stage computes and lengthen the
-    step: S < 1, off. On an 80 GB GPU 1F1B must recompute and BPipe lets it stop: S > 1, on."""
+    13B without flash attention on two 4-GPU nodes: on a GPU large enough for 1F1B without recomputation
+    (141 GiB, an H200's memory), BPipe's evictions of 5.6 GB stashes cross the network slower than a stage
+    computes and lengthen the step: S < 1, off. On an 80 GB GPU 1F1B must recompute and BPipe lets it stop:
+    S > 1, on."""
     two_nodes = dataclasses.replace(A100_80GB, gpus_per_node=4)
     job = _job("gpt3-13b", "unfused", 0.1)
-    loses = _estimate(job, two_nodes, gpu_memory_gib=200)
+    loses = _estimate(job, two_nodes, gpu_memory_gib=141)
     assert loses.best_plain.recompute == "none" and loses.best_bpipe.resident_bound < 8
     assert loses.speedup < 1.0 and not loses.turn_on
     evicting = next(c for c in loses.candidates if c.bpipe and c.recompute == "none")
