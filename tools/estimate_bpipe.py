@@ -8,8 +8,8 @@ Layer times come from `--efficiency-file` (written by tools/bench_layer.py on th
 one, from the roofline of `--hardware`. `--all-layouts GPUS` compares every tp x pp x dp layout of GPUS
 GPUs instead of the one given. `--config launch/configs/bpipe_gpt3_96b.yaml --variant 1f1b` takes the model,
 layout, global batch, attention backend, sequence parallelism and optimizer sharding from a paper's launch
-config (the assumptions tools/reproduce.py uses) instead of the flags. Method and assumptions: megatron_pp/planning/bpipe_estimator.py and
-docs/bpipe.md. Bad input prints one line and exits 2.
+config (the assumptions tools/reproduce.py uses) instead of the flags. Method and assumptions:
+megatron_pp/planning/bpipe_estimator.py and docs/bpipe.md. Bad input prints one line and exits 2.
 """
 import argparse
 import dataclasses

@@ -261,6 +261,7 @@ def test_cli_takes_the_papers_assumptions_from_their_launch_config(capsys, monke
             "--max-micro-batch-size", "1"]
     assert estimate_bpipe.main(argv) == 0
     text = capsys.readouterr().out
-    assert text.startswith("BPipe estimate: 84 layers, hidden 9728, 76 heads (76 kv groups), seq 2048, dropout 0.1/0.1; "
-                           "tp 4 x pp 12 x dp 1, global batch 128, sequence parallel\nattention: unfused;")
+    assert text.startswith("BPipe estimate: 84 layers, hidden 9728, 76 heads (76 kv groups), seq 2048, "
+                           "dropout 0.1/0.1; tp 4 x pp 12 x dp 1, global batch 128, sequence parallel\n"
+                           "attention: unfused;")
     assert "best 1F1B : b=1 m=128 recompute=full  step 24.91 s" in text  # the reproduction table's `1f1b` row

@@ -1,7 +1,6 @@
 """papers/layered.py (arXiv 2106.02679): sharded weights are gathered per run of a chunk, so layered
 accumulation's data-parallel bytes do not grow with m while depth-first ZeRO-3's do; the link the
 network rows report is the one that leaves 5% of the step exposed."""
-import pytest
 
 from megatron_pp.planning.papers.common import load_hardware_profile
 from megatron_pp.planning.papers.layered import Timed, dp_bytes, load_variants, weight_runs
