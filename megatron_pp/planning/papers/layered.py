@@ -41,6 +41,8 @@ from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.simulate import CostModel, simulate
 
 CONFIG = "breadth_first_52b"
+DP = 8
+"""The config's data-parallel size (pp 8 × dp 8 on 64 GPUs): global batch = m · DP at micro-batch 1."""
 VARIANTS = ("looped-bfs", "interleaved-1f1b", "1f1b")
 SLOW_NETWORK_FACTOR = 10
 """Our assumption for 'commodity' networking: 10× slower per GPU than the HDR InfiniBand of the A100
@@ -135,7 +137,9 @@ class Timed:
 
 def load_variants(m: int) -> dict[str, Setting]:
     """The config's three variants at m microbatches per pipeline (global batch m · dp, micro-batch 1)."""
-    return {v: load_setting(CONFIG, v, **{"global-batch-size": m * 8}) for v in VARIANTS}
+    variants = {v: load_setting(CONFIG, v, **{"global-batch-size": m * DP}) for v in VARIANTS}
+    assert all(s.dp == DP and s.microbatches == m for s in variants.values()), f"{CONFIG}.yaml changed its layout"
+    return variants
 
 
 def _memory_gb(setting: Setting, m: int) -> dict:
