@@ -138,7 +138,9 @@ class Timed:
 def load_variants(m: int) -> dict[str, Setting]:
     """The config's three variants at m microbatches per pipeline (global batch m · dp, micro-batch 1)."""
     variants = {v: load_setting(CONFIG, v, **{"global-batch-size": m * DP}) for v in VARIANTS}
-    assert all(s.dp == DP and s.microbatches == m for s in variants.values()), f"{CONFIG}.yaml changed its layout"
+    if any(s.dp != DP or s.microbatches != m for s in variants.values()):
+        raise ValueError(f"launch/configs/{CONFIG}.yaml no longer has dp {DP} at micro-batch 1, which papers/layered.py "
+                         "assumes")
     return variants
 
 
