@@ -6,8 +6,10 @@
 
 Layer times come from `--efficiency-file` (written by tools/bench_layer.py on the target GPU) or, without
 one, from the roofline of `--hardware`. `--all-layouts GPUS` compares every tp x pp x dp layout of GPUS
-GPUs instead of the one given. Method and assumptions: megatron_pp/planning/bpipe_estimator.py and
-docs/bpipe.md. Bad input prints one line and exits 2.
+GPUs instead of the one given. `--config launch/configs/bpipe_gpt3_96b.yaml --variant 1f1b` takes the model,
+layout, global batch, attention backend, sequence parallelism and optimizer sharding from a paper's launch
+config (the assumptions tools/reproduce.py uses) instead of the flags. Method and assumptions:
+megatron_pp/planning/bpipe_estimator.py and docs/bpipe.md. Bad input prints one line and exits 2.
 """
 import argparse
 import dataclasses
@@ -17,6 +19,8 @@ import os
 import sys
 from typing import Optional
 
+import yaml
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
@@ -25,28 +29,33 @@ from megatron_pp.planning.bpipe_estimator import (DEFAULT_RESERVED_FRACTION, Can
                                                   efficiency_model, estimate, layouts)
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware, mfu_curve  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS, attention_kind  # noqa: E402
+from megatron_pp.planning.papers.common import job_for, load_setting  # noqa: E402
 
 GIB = 2 ** 30
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = ExitingArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-preset", required=True, help=f"one of {', '.join(preset_names())}")
+    p.add_argument("--model-preset", help=f"one of {', '.join(preset_names())} (or --config)")
+    p.add_argument("--config", help="a launch config YAML (launch/configs/*.yaml): model, layout, batch, attention, "
+                                    "sequence parallelism and optimizer from it; replaces the model and layout flags")
+    p.add_argument("--variant", help="with --config: which of its variants (default: the first)")
     for name in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
                  "seq-length"):
         p.add_argument(f"--{name}", type=int, help="override the preset's value")
     p.add_argument("--hidden-dropout", type=float, help="override the preset's value (GPT-3 runs: 0.1)")
     p.add_argument("--attention-dropout", type=float, help="override the preset's value (GPT-3 runs: 0.1)")
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, help="default 1")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, help="default 1")
+    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, help="default 1")
     p.add_argument("--all-layouts", type=int, metavar="GPUS",
                    help="compare every tp x pp x dp layout of GPUS GPUs (tp <= 8) instead of --tp/--pp/--dp")
-    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--global-batch-size", type=int, help="required without --config")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 sharding of Adam over dp")
-    p.add_argument("--attention-backend", choices=("flash", "sdpa", "reference"), default="flash",
-                   help="reference = the unfused path that stores the s x s scores; flash and sdpa (on GPU) do not")
+    p.add_argument("--attention-backend", choices=("flash", "sdpa", "reference"),
+                   help="reference = the unfused path that stores the s x s scores; flash (default) and sdpa (on "
+                        "GPU) do not")
     p.add_argument("--hardware", default="a100-80gb",
                    help=f"{', '.join(HARDWARE_PROFILES)} or a JSON file of HardwareProfile fields")
     p.add_argument("--gpu-memory-gb", type=float, help="device memory in GiB (default: the hardware's)")
@@ -59,19 +68,74 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--pairs-on-node", action="store_true",
                    help="BPipe pairs (x, p-1-x) share a node: evict/load over NVLink instead of the network")
     p.add_argument("--json", help="also write every candidate to this JSON file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    shape_flags = [f"--{name.replace('_', '-')}" for name in _SHAPE + ("tp", "pp", "dp", "global_batch_size",
+                                                                          "attention_backend", "model_preset")
+                   if getattr(args, name) is not None]
+    if args.config:
+        if shape_flags:
+            p.error(f"--config sets the model, layout, batch and attention; drop {', '.join(shape_flags)}")
+        if args.sequence_parallel:
+            p.error("--config sets sequence parallelism; drop --sequence-parallel")
+    else:
+        if args.variant:
+            p.error("--variant needs --config")
+        for flag, value in (("--model-preset", args.model_preset), ("--global-batch-size", args.global_batch_size)):
+            if value is None:
+                p.error(f"the following arguments are required: {flag} (or --config)")
+    return args
+
+
+_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+          "hidden_dropout", "attention_dropout")
 
 
 def build_config(args: argparse.Namespace):
     config = get_preset(args.model_preset)
-    changes = {}
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "hidden_dropout", "attention_dropout"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
+    changes = {name: getattr(args, name) for name in _SHAPE if name != "seq_length" and getattr(args, name) is not None}
     if args.seq_length is not None:
         changes.update(seq_length=args.seq_length, max_position_embeddings=args.seq_length)
     return dataclasses.replace(config, **changes)
+
+
+def build_jobs(args: argparse.Namespace) -> list[Job]:
+    """The jobs to estimate: the one layout given (flags or --config) or, with --all-layouts, every layout.
+    A config's own layout keeps the config's stage split (uneven first/last stages included)."""
+    if args.config:
+        variant = args.variant
+        if variant is None:
+            with open(args.config) as f:
+                variant = next(iter(yaml.safe_load(f).get("variants") or {"": None}))
+        # --use-distributed-optimizer adds ZeRO-1 to the config (it matters on re-tuned layouts with dp > 1).
+        extra = {"use-distributed-optimizer": True} if args.use_distributed_optimizer else {}
+        setting = load_setting(args.config, variant, **extra)
+        config, own = setting.config, job_for(setting)
+        if not args.all_layouts:
+            return [own]
+        sp, zero1 = setting.args.sequence_parallel, bool(setting.args.use_distributed_optimizer)
+        gbs, attention = setting.args.global_batch_size, setting.attention
+    else:
+        config, own = build_config(args), None
+        sp, zero1, gbs = args.sequence_parallel, args.use_distributed_optimizer, args.global_batch_size
+        attention = attention_kind(args.attention_backend or "flash", "cuda", config.attention_dropout)
+    if args.all_layouts:
+        # Layouts whose data-parallel size does not divide the global batch cannot run it: left out.
+        grid = [(tp, pp, dp) for tp, pp, dp in layouts(config, args.all_layouts) if gbs % dp == 0]
+        if own is not None and (own.tp, own.pp, own.dp) not in grid and own.tp * own.pp * own.dp == args.all_layouts:
+            grid.append((own.tp, own.pp, own.dp))
+        if not grid:
+            raise ValueError(f"no tp x pp x dp layout of {args.all_layouts} GPUs fits this model's heads and layers "
+                             f"and divides the global batch {gbs}")
+    else:
+        grid = [(args.tp or 1, args.pp or 1, args.dp or 1)]
+    jobs = []
+    for tp, pp, dp in grid:
+        if own is not None and (tp, pp, dp) == (own.tp, own.pp, own.dp):
+            jobs.append(own)
+            continue
+        jobs.append(Job(config, tp, pp, dp, gbs, attention, sequence_parallel=sp and tp > 1,
+                        distributed_optimizer=zero1 and dp > 1))
+    return jobs
 
 
 def gib(x: float) -> str:
@@ -154,18 +218,10 @@ def to_json(e: Estimate) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[Estimate]:
-    config = build_config(args)
     hardware = load_hardware(args.hardware)
     options = tuple(x.strip() for x in args.recompute_options.split(",") if x.strip())
-    attention = attention_kind(args.attention_backend, "cuda", config.attention_dropout)
-    grid = layouts(config, args.all_layouts) if args.all_layouts else [(args.tp, args.pp, args.dp)]
-    if not grid:
-        raise ValueError(f"no tp x pp x dp layout of {args.all_layouts} GPUs fits this model's heads and layers")
     out = []
-    for tp, pp, dp in grid:
-        job = Job(config, tp, pp, dp, args.global_batch_size, attention,
-                  sequence_parallel=args.sequence_parallel and tp > 1,
-                  distributed_optimizer=args.use_distributed_optimizer and dp > 1)
+    for job in build_jobs(args):
         model = efficiency_model(job, hardware, args.efficiency_file)
         out.append(estimate(job, hardware, model, gpu_memory_gib=args.gpu_memory_gb,
                             reserved_fraction=args.reserved_memory_fraction, recompute_options=options,

@@ -7,7 +7,7 @@
     python tools/reproduce.py bpipe --hardware h100-sxm --efficiency-file runs/bench_layer_gpt3.json
     python tools/reproduce.py all --check           # recompute every simulated table, compare with the docs
 
-PAPER is one of bpipe, bpipe-reeval, pipeoffload, 2bw, breadth-first, or all. Full-scale rows come from
+PAPER is one of bpipe, bpipe-reeval, pipeoffload, 2bw, breadth-first, layered, or all. Full-scale rows come from
 the paper's configs in launch/configs/ and GPU profiles in launch/hardware/ (`--hardware` overrides the
 paper's GPU); the method is in megatron_pp/planning/reproduce.py and the recorded tables with their
 discussion in docs/reproduction.md. `--check` recomputes the full-scale tables (no measurement) and exits 1

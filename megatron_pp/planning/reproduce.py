@@ -34,20 +34,20 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
-from megatron_pp.planning.papers import bpipe, breadth_first, pipeoffload, twobw
+from megatron_pp.planning.papers import bpipe, breadth_first, layered, pipeoffload, twobw
 from megatron_pp.planning.papers.common import ROOT, ROWS_HEADER, PaperReport
 from megatron_pp.planning.papers.small import SmallScale
 
-PAPERS = ("bpipe", "bpipe-reeval", "pipeoffload", "2bw", "breadth-first")
+PAPERS = ("bpipe", "bpipe-reeval", "pipeoffload", "2bw", "breadth-first", "layered")
 PREDICTORS: dict[str, Callable[..., PaperReport]] = {
     "bpipe": bpipe.predict_bpipe, "bpipe-reeval": bpipe.predict_bpipe_reeval,
     "pipeoffload": pipeoffload.predict_pipeoffload, "2bw": twobw.predict_2bw,
-    "breadth-first": breadth_first.predict_breadth_first,
+    "breadth-first": breadth_first.predict_breadth_first, "layered": layered.predict_layered,
 }
 SMALL_SCALE: dict[str, Callable[..., None]] = {
     "bpipe": bpipe.small_scale_bpipe, "bpipe-reeval": bpipe.small_scale_bpipe_reeval,
     "pipeoffload": pipeoffload.small_scale_pipeoffload, "2bw": twobw.small_scale_2bw,
-    "breadth-first": breadth_first.small_scale_breadth_first,
+    "breadth-first": breadth_first.small_scale_breadth_first, "layered": layered.small_scale_layered,
 }
 
 
@@ -63,6 +63,8 @@ def reproduce(paper: str, *, quick: bool = False, small: Optional[SmallScale] = 
         kwargs["models"] = ("96b",)
     if quick and paper == "pipeoffload":
         kwargs["cells"], kwargs["figures"] = [("10.5b", 4096)], (15,)
+    if quick and paper == "layered":
+        kwargs["quick"] = True  # m = p only: no larger batches, no network rows
     if hardware:
         kwargs["hardware"] = hardware
     if efficiency_file:

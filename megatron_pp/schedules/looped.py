@@ -66,12 +66,12 @@ the simulator.)
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Mapping, Optional
 
 from megatron_pp.schedules.comm import HOIST_TO_SEND_ONLY_BATCHES
 from megatron_pp.schedules.generators import looped_placement
 from megatron_pp.schedules.ir import Action, Op, Schedule
-from megatron_pp.schedules.simulate import CostModel, simulate
+from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 
 __all__ = ["looped_bfs", "add_layered_reduction", "depth_first_accumulation", "exposed_reduction"]
 
@@ -174,24 +174,36 @@ def depth_first_accumulation(num_microbatches: int, num_chunks: int) -> Schedule
     return Schedule("depth-first", 1, m, v, looped_placement(1, v), [actions], {})
 
 
-def exposed_reduction(schedule: Schedule, reduce_time: float, costs: Optional[CostModel] = None) -> list[float]:
+def exposed_reduction(schedule: Schedule, reduce_time: float | Mapping[int, float],
+                      costs: Optional[CostModel] = None, *, result: Optional[SimResult] = None,
+                      from_backward_start: bool = False) -> list[float]:
     """Per rank, the data-parallel reduction time left after its last compute action ends, in the cost
-    model's units: each REDUCE_GRAD.c of the simulated timeline starts a reduction of `reduce_time` per
-    chunk on one lane per rank (the collectives of a group run one after another). `schedule` is what
-    `simulate` takes: with its communication when it has more than one rank.
+    model's units: each REDUCE_GRAD.c of the simulated timeline starts a reduction of `reduce_time` (one
+    number for every chunk, or a mapping from global stage, as `schedule.placement` numbers them, to its
+    time) on one lane per rank (the collectives of a group run one after another). `schedule` is what
+    `simulate` takes: with its communication when it has more than one rank; `result`, its simulation
+    under `costs` when the caller already has it. `from_backward_start` lets a chunk's reduction start
+    when its last backward starts, as bucketed reducers (Megatron's overlapped gradient reduction) begin
+    on the first buckets ready: an upper bound on that overlap.
 
     Depth-first (`depth_first_accumulation` + `add_layered_reduction`), chunk c's reduction starts c
     backwards before the end, so v chunks leave about v·r − 2·(v − 1) exposed (F = 1, B = 2); layered,
     it starts c·m backwards before the end and only the last chunk's r is left while r ≤ 2·m.
     """
-    result = simulate(schedule, costs)
+    result = result if result is not None else simulate(schedule, costs)
+    stage_of = {where: stage for stage, where in enumerate(schedule.placement)}
     exposed = []
-    for timeline in result.timeline:
+    for rank, timeline in enumerate(result.timeline):
         lane, last_compute = 0.0, 0.0
+        backward_start: dict[int, float] = {}
         for action, start, end in timeline:
             if action.is_compute:
                 last_compute = max(last_compute, end)
+                if action.op in (Op.B, Op.BW):
+                    backward_start[action.chunk] = start
             elif action.op is Op.REDUCE_GRAD:
-                lane = max(lane, start) + reduce_time
+                begin = backward_start.get(action.chunk, start) if from_backward_start else start
+                lane = max(lane, begin) + (reduce_time[stage_of[(rank, action.chunk)]]
+                                           if isinstance(reduce_time, Mapping) else reduce_time)
         exposed.append(max(0.0, lane - last_compute))
     return exposed

@@ -16,11 +16,12 @@ import pytest
 
 from megatron_pp.models.presets import get_preset
 from megatron_pp.planning.bpipe_estimator import Job, efficiency_model, estimate, layouts, one_f_one_b_stashes
-from megatron_pp.planning.efficiency import (A100_80GB, BENCH_FORMAT, LayerShape, MeasuredCurve, Roofline, kernels,
-                                             load_hardware)
+from megatron_pp.planning.efficiency import (A100_80GB, BENCH_FORMAT, LayerShape, MeasuredCurve, Roofline, head_times,
+                                             kernels, load_hardware)
 from megatron_pp.planning.memory import stage_state_bytes, stash_bytes, transient_activation_bytes
 from megatron_pp.schedules.registry import build_schedule
-from megatron_pp.schedules.simulate import simulate
+from megatron_pp.schedules.ir import Op
+from megatron_pp.schedules.simulate import CostModel, simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -114,12 +115,13 @@ def test_transfers_over_the_network_are_charged():
 
 def test_the_estimator_can_say_bpipe_loses_and_wins():
     """The answer is not forced by the candidate set (K = p, plain 1F1B, is never a BPipe candidate). GPT-3
-    13B without flash attention on two 4-GPU nodes: on a GPU large enough for 1F1B without recomputation,
-    BPipe's evictions of 5.6 GB stashes cross the network slower than a stage computes and lengthen the
-    step: S < 1, off. On an 80 GB GPU 1F1B must recompute and BPipe lets it stop: S > 1, on."""
+    13B without flash attention on two 4-GPU nodes: on a GPU large enough for 1F1B without recomputation
+    (141 GiB, an H200's memory), BPipe's evictions of 5.6 GB stashes cross the network slower than a stage
+    computes and lengthen the step: S < 1, off. On an 80 GB GPU 1F1B must recompute and BPipe lets it stop:
+    S > 1, on."""
     two_nodes = dataclasses.replace(A100_80GB, gpus_per_node=4)
     job = _job("gpt3-13b", "unfused", 0.1)
-    loses = _estimate(job, two_nodes, gpu_memory_gib=200)
+    loses = _estimate(job, two_nodes, gpu_memory_gib=141)
     assert loses.best_plain.recompute == "none" and loses.best_bpipe.resident_bound < 8
     assert loses.speedup < 1.0 and not loses.turn_on
     evicting = next(c for c in loses.candidates if c.bpipe and c.recompute == "none")
@@ -127,6 +129,30 @@ def test_the_estimator_can_say_bpipe_loses_and_wins():
     wins = _estimate(job, two_nodes, pairs_on_node=True)
     assert wins.best_plain.recompute == "full" and wins.best_bpipe.recompute == "none"
     assert wins.speedup > 1.0 and wins.turn_on
+
+
+def test_the_verdict_compares_against_an_independent_1f1b_estimate():
+    """The 1F1B side of S is the simulated 1F1B lists, not a BPipe candidate: at every (b, recompute) BPipe is
+    never faster than 1F1B (same F/B order, transfers can only add), so S > 1 only when BPipe makes a faster
+    configuration fit, and a tie (nothing evicts, or every transfer hides) is an 'off'."""
+    job = _job("gpt3-13b", "unfused", 0.1)
+    e = _estimate(job, recompute=("none", "selective", "full"))
+    by = {}
+    for c in e.candidates:
+        by.setdefault((c.micro_batch_size, c.recompute), {})[c.bpipe] = c
+    for pair in by.values():
+        assert pair[True].resident_bound < job.pp and pair[True].step_s >= pair[False].step_s
+    layer = efficiency_model(job, A100_80GB).layer_times(1)
+    head_f, head_b = head_times(job.config, 1, job.tp, False, A100_80GB)
+    costs = {}
+    for spec in job.stages:
+        costs[(Op.F, spec.stage)] = spec.num_layers * layer.forward_s + (head_f if spec.has_head else 0.0)
+        costs[(Op.B, spec.stage)] = (spec.num_layers * (layer.compute_s("selective") - layer.forward_s)
+                                     + (head_b if spec.has_head else 0.0))
+    latency = 1 * 2048 * 5120 * 2 / (A100_80GB.tp_link_gbps * 1e9)
+    direct = simulate(build_schedule("1f1b", 8, 128), CostModel(measured=costs, p2p_latency=latency)).makespan
+    assert (e.best_plain.micro_batch_size, e.best_plain.recompute) == (1, "selective")
+    assert e.best_plain.step_s == pytest.approx(direct, rel=1e-12)
 
 
 def test_roofline_kernels_and_flat_mfu():
@@ -193,11 +219,16 @@ BAD = [
     (["--model-preset", "gpt3-13b", "--global-batch-size", "8", "--recompute-options", "some"], "recompute option"),
     (["--model-preset", "gpt3-13b", "--global-batch-size", "eight"], "invalid int value"),
     (["--global-batch-size", "8"], "--model-preset"),
+    (["--config", "launch/configs/bpipe_gpt3_96b.yaml", "--pp", "4"], "--config sets the model"),
+    (["--config", "launch/configs/bpipe_gpt3_96b.yaml", "--variant", "zb"], "has no variant 'zb'"),
+    (["--config", "launch/configs/no_such.yaml"], "no_such.yaml"),
+    (["--model-preset", "gpt3-13b", "--global-batch-size", "8", "--variant", "1f1b"], "--variant needs --config"),
 ]
 
 
 @pytest.mark.parametrize("argv,message", BAD)
-def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_info:
         code = estimate_bpipe.main(argv)
         raise SystemExit(code)
@@ -220,3 +251,17 @@ def test_cli_answers_with_numbers(tmp_path, capsys):
     (report,) = json.loads(out.read_text())
     assert report["turn_on"] and math.isclose(report["speedup"], 1.30, abs_tol=0.01)
     assert len(report["candidates"]) == 4  # b = 1 x (none, full) x (1F1B, BPipe)
+
+
+def test_cli_takes_the_papers_assumptions_from_their_launch_config(capsys, monkeypatch):
+    """`--config` reads model, layout, batch and attention from the YAML tools/reproduce.py uses, so docs/bpipe.md
+    and the reproduction table share one set of assumptions (here BPipe's assumed GPT-3 96B, tp 4 x pp 12)."""
+    monkeypatch.chdir(ROOT)
+    argv = ["--config", "launch/configs/bpipe_gpt3_96b.yaml", "--variant", "1f1b", "--recompute-options", "full",
+            "--max-micro-batch-size", "1"]
+    assert estimate_bpipe.main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("BPipe estimate: 84 layers, hidden 9728, 76 heads (76 kv groups), seq 2048, "
+                           "dropout 0.1/0.1; tp 4 x pp 12 x dp 1, global batch 128, sequence parallel\n"
+                           "attention: unfused;")
+    assert "best 1F1B : b=1 m=128 recompute=full  step 24.91 s" in text  # the reproduction table's `1f1b` row

@@ -219,6 +219,19 @@ def test_layered_leaves_only_the_last_chunks_reduction_exposed(r):
     assert layered == [r]
 
 
+@pytest.mark.parametrize("r", [1, 4, 8])
+def test_exposure_per_stage_and_from_the_last_backwards_start(r):
+    """A mapping of per-stage times equals the single number; `from_backward_start` (bucketed overlap inside
+    the last backward) starts chunk c's reduction one backward (2) earlier: v·(r − 2) is left, none while
+    r <= 2."""
+    m, v = 16, 8
+    schedule = add_layered_reduction(looped.depth_first_accumulation(m, v))
+    assert looped.exposed_reduction(schedule, {stage: r for stage in range(v)}) == looped.exposed_reduction(schedule, r)
+    assert looped.exposed_reduction(schedule, r, from_backward_start=True) == [max(0, v * (r - 2))]
+    uneven = {stage: (3 * r if stage == 0 else r) for stage in range(v)}  # chunk 0 reduces last
+    assert looped.exposed_reduction(schedule, uneven) == [max(3 * r, v * r + 2 * r - 2 * (v - 1))]
+
+
 def test_sharding_strategy_implies_the_distributed_optimizer():
     from megatron_pp.training.arguments import derive_args
     from megatron_pp.training.optimizer import OptimizerConfig

@@ -216,14 +216,15 @@ class Setting:
 
 
 def load_setting(name: str, variant: str, **overrides: object) -> Setting:
-    """Variant `variant` of `launch/configs/NAME.yaml` at full size, flags overridden by `overrides`
-    (keys as in the YAML, e.g. `{'seq-length': 16384}`)."""
+    """Variant `variant` of `launch/configs/NAME.yaml` (or of the YAML file at path `name`) at full size,
+    flags overridden by `overrides` (keys as in the YAML, e.g. `{'seq-length': 16384}`)."""
     from megatron_pp.training.arguments import build_parser, model_config_from_args
 
-    with open(os.path.join(CONFIG_DIR, name + ".yaml")) as f:
+    path = name if name.endswith(".yaml") else os.path.join(CONFIG_DIR, name + ".yaml")
+    with open(path) as f:
         raw = yaml.safe_load(f)
     if variant not in raw["variants"]:
-        raise ValueError(f"{name}.yaml has no variant {variant!r}; it has {', '.join(raw['variants'])}")
+        raise ValueError(f"{os.path.basename(path)} has no variant {variant!r}; it has {', '.join(raw['variants'])}")
     values = {**raw["args"], **(raw["variants"][variant] or {}), **overrides}
     if values.get("seq-length") and "max-position-embeddings" in values:
         values["max-position-embeddings"] = values["seq-length"]
