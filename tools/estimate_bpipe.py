@@ -199,6 +199,21 @@ def explain(e: Estimate) -> list[str]:
     return lines
 
 
+CANDIDATE_FIELDS = [f.name for f in dataclasses.fields(Candidate)]
+
+
+def _short(value):
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    if isinstance(value, (list, tuple)):
+        return [_short(v) for v in value]
+    return value
+
+
+def _row(candidate: dict) -> list:
+    return [_short(candidate[name]) for name in CANDIDATE_FIELDS]
+
+
 def to_json(e: Estimate) -> dict:
     return {
         "job": {"tp": e.job.tp, "pp": e.job.pp, "dp": e.job.dp, "global_batch_size": e.job.global_batch_size,
@@ -208,13 +223,26 @@ def to_json(e: Estimate) -> dict:
         "hardware": dataclasses.asdict(e.hardware),
         "efficiency": e.efficiency,
         "capacity_bytes": e.capacity_bytes,
-        "candidates": [dataclasses.asdict(c) for c in e.candidates],
+        # A table (one row per candidate, the fields named once), 6 significant digits: the 48-GPU reports
+        # stay small enough to commit under docs/results/.
+        "candidate_fields": CANDIDATE_FIELDS,
+        "candidates": [_row(dataclasses.asdict(c)) for c in e.candidates],
         "best_plain": e.best_plain and dataclasses.asdict(e.best_plain),
         "best_bpipe": e.best_bpipe and dataclasses.asdict(e.best_bpipe),
         "speedup": None if e.speedup is None else (str(e.speedup) if math.isinf(e.speedup) else e.speedup),
         "turn_on": e.turn_on,
         "warnings": e.warnings,
     }
+
+
+def dump_json(reports: list[dict]) -> str:
+    """One estimate per block and one candidate per line (readable diffs at a tenth of indent=1's size)."""
+    blocks = []
+    for report in reports:
+        head = {k: v for k, v in report.items() if k != "candidates"}
+        rows = ",\n  ".join(json.dumps(row) for row in report["candidates"])
+        blocks.append(json.dumps(head)[:-1] + ',\n "candidates": [\n  ' + rows + "]}")
+    return "[\n" + ",\n".join(blocks) + "\n]\n"
 
 
 def run(args: argparse.Namespace) -> list[Estimate]:
@@ -268,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([to_json(e) for e in estimates], f, indent=1)
+            f.write(dump_json([to_json(e) for e in estimates]))
     return 0
 
 
