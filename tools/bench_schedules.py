@@ -12,23 +12,13 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_pp.training.benchmark import bench_config, run_benchmark  # noqa: E402
+from megatron_pp.training.benchmark import add_bench_arguments, bench_config_from, run_benchmark  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "interleaved-1f1b"])
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--chunks", type=int, default=2, help="virtual stages per rank for interleaved schedules")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--model-preset", default="gpt-tiny")
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--vocab-size", type=int, default=2048)
+    add_bench_arguments(parser, vocab_size=2048)
     parser.add_argument("--json", default=None, help="write the report here (default: stdout only)")
     parser.add_argument("--plot", default=None, help="write a PNG: step time and peak memory per schedule")
     args = parser.parse_args(argv)
@@ -36,8 +26,7 @@ def main(argv=None) -> int:
         print(f"error: --num-layers {args.num_layers} is not divisible by --pp {args.pp} x --chunks {args.chunks}",
               file=sys.stderr)
         return 2
-    config = bench_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-                          args.vocab_size, args.model_preset)
+    config = bench_config_from(args)
     report = run_benchmark(args.schedules, pp=args.pp, microbatches=args.microbatches, chunks=args.chunks,
                            rounds=args.rounds, micro_batch=args.micro_batch_size, config=config)
     report["command"] = "python tools/bench_schedules.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -64,11 +64,10 @@ def run(args, pool=None) -> dict:
 
     from megatron_pp.core.local_world import WorkerPool
     from megatron_pp.training import vs_torch
-    from megatron_pp.training.benchmark import bench_config
+    from megatron_pp.training.benchmark import bench_config_from
 
     torch.set_num_threads(1)
-    config = bench_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-                          args.vocab_size, args.model_preset)
+    config = bench_config_from(args)
     shape = {name: (config, name, args.pp, args.microbatches, vs_torch.chunks_per_rank(name, args.chunks),
                     args.micro_batch_size, args.seed) for name in args.schedules}
     own_pool = pool is None
@@ -183,21 +182,12 @@ def format_table(report: dict) -> str:
 
 
 def parse_args(argv=None):
+    from megatron_pp.training.benchmark import add_bench_arguments
     from megatron_pp.training.vs_torch import TORCH_PAIRS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=list(TORCH_PAIRS), help=", ".join(TORCH_PAIRS))
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--chunks", type=int, default=2, help="stages per rank for the interleaved pair")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--model-preset", default="gpt-tiny")
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_bench_arguments(parser, vocab_size=1024)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="cProfile this many steps per side of each pair that misses its time target")

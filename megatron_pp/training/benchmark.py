@@ -52,6 +52,27 @@ def bench_config(layers: int, hidden: int, heads: int, seq: int, vocab: int, pre
     )
 
 
+def add_bench_arguments(parser, *, vocab_size: int) -> None:
+    """The pipeline, rounds and tiny-model flags the paired schedule benchmarks share (`bench_config_from`)."""
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=2, help="virtual stages per rank for interleaved schedules")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--model-preset", default="gpt-tiny")
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=vocab_size)
+
+
+def bench_config_from(args) -> TransformerConfig:
+    """`bench_config` from the flags of `add_bench_arguments`."""
+    return bench_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+                        args.vocab_size, args.model_preset)
+
+
 def ideal_bubble(name: str, p: int, m: int, v: int) -> float:
     return (p - 1) / (m * v) if name.startswith("interleaved") else (p - 1) / m
 
