@@ -480,6 +480,10 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
         wrong += ["lr_warmup_iters"] if args.lr_warmup_iters else []
         errors += [f"{flag(n)} needs --train-iters (this run counts --train-samples; use the *-samples flag)"
                    for n in wrong]
+        decay = args.lr_decay_samples or args.train_samples  # the same rule as --lr-warmup-iters above
+        if args.lr_warmup_samples and args.lr_warmup_samples >= decay >= 0:
+            errors.append(f"--lr-warmup-samples {args.lr_warmup_samples} must be less than the decay length "
+                          f"{decay} (--lr-decay-samples, default --train-samples)")
     if args.min_lr > args.lr >= 0:
         errors.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     wsd_given = [n for n in ("lr_wsd_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples")

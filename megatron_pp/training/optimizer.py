@@ -100,6 +100,13 @@ class LRSchedule:
             raise ValueError(f"--lr-decay-style {self.decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
         if self.warmup_steps < 0:
             raise ValueError(f"--lr-warmup-{unit} must be >= 0, got {self.warmup_steps}")
+        # Megatron's rule for every style, constant included: the warm-up ends before the decay length (the
+        # run's length by default, as from_args fills it in); validate_args refuses the same flags up front.
+        if self.warmup_steps and self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"--lr-warmup-{unit} {self.warmup_steps} must be less than --lr-decay-{unit} (default: the run's "
+                f"length), got {self.decay_steps}"
+            )
         if self.decay_style == "constant":
             return
         if self.decay_steps is None or self.decay_steps <= self.warmup_steps:

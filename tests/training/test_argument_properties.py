@@ -226,3 +226,21 @@ def test_a_zero_decay_length_is_the_run_length_for_the_warmup_check_too(style):
     errors, _ = errors_for(argv + ["--lr-warmup-iters", "4"], 1)
     assert errors == ["--lr-warmup-iters 4 must be less than the decay length 4 "
                       "(--lr-decay-iters, default --train-iters)"]
+
+
+@pytest.mark.parametrize("decay", [None, "0", "6"])
+def test_a_warmup_counted_in_samples_is_checked_as_one_counted_in_iterations(decay):
+    # The samples rule mirrors the iterations rule: a warm-up LRSchedule would refuse is refused up front,
+    # before any model is built, and one it runs is accepted.
+    argv = ["--lr", "0.01", "--lr-decay-style", "constant", "--global-batch-size", "2", "--micro-batch-size", "1",
+            "--train-samples", "8"] + ([] if decay is None else ["--lr-decay-samples", decay])
+    length = 6 if decay == "6" else 8
+    errors, args = errors_for(argv + ["--lr-warmup-samples", str(length - 1)], 1)
+    assert errors == []
+    schedule = LRSchedule.from_args(derive_args(args, world_size=1))
+    assert (schedule.warmup_steps, schedule.decay_steps) == (length - 1, length)
+    errors, args = errors_for(argv + ["--lr-warmup-samples", str(length)], 1)
+    assert errors == [f"--lr-warmup-samples {length} must be less than the decay length {length} "
+                      "(--lr-decay-samples, default --train-samples)"]
+    with pytest.raises(ValueError):
+        LRSchedule.from_args(derive_args(args, world_size=1))
