@@ -10,7 +10,7 @@ import pytest
 from megatron_pp.models.presets import get_preset
 from megatron_pp.planning.efficiency import A100_80GB, HardwareProfile
 from megatron_pp.planning.memory import state_bytes_per_parameter
-from megatron_pp.planning.cost import list_order_peaks, live_weight_versions, resident_peaks
+from megatron_pp.planning.cost import Evaluator, list_order_peaks, live_weight_versions, resident_peaks
 from megatron_pp.planning.job import Cluster, Configuration, Job
 from megatron_pp.planning.planner import Planner
 from megatron_pp.planning.report import launch_command, launch_flags
@@ -71,6 +71,29 @@ def test_byte_weighted_curves_reproduce_the_simulator_for_every_registered_sched
                 assert list_order_peaks(schedule, ones) == sim.peak_stash, (entry.name, p, m)
             checked.append(entry.name)
     assert {"1f1b", "gpipe", "interleaved-1f1b", "po-h"} <= set(checked)
+
+
+def test_deferred_backward_is_timed_apart_and_holds_its_bytes_until_bw():
+    """Where a list splits the backward, BW costs the weight-gradient GEMMs and BI the rest (their sum is the
+    whole backward); a BW run apart from its BI holds its stage's held bytes from BI to BW, in the list walk
+    and the timed curve alike, and a BW right after its BI (GIS) holds nothing extra."""
+    job = Job("gpt3-1.3b", get_preset("gpt3-1.3b"), 64)
+    evaluator = Evaluator(job, Cluster(8, A100_80GB))
+    c = Configuration(1, 4, 2, 1, "none", "zb-h1")
+    stash = evaluator.stage_stash_bytes(c)
+    costs = evaluator.costs(c, stash)
+    for s in range(4):
+        bi, bw, b = (costs.duration(op, s) for op in (Op.BI, Op.BW, Op.B))
+        assert 0 < bw < bi and bi + bw == pytest.approx(b)
+    held = evaluator.stage_held_bytes(c)
+    assert all(h > 0 for h in held)
+    schedule = build_schedule("zb-h1", 4, 8)
+    walked = list_order_peaks(schedule, stash, held)
+    assert walked == resident_peaks(schedule, simulate(schedule, costs), stash, held)
+    assert all(w > p for w, p in zip(walked[1:], list_order_peaks(schedule, stash)[1:]))  # rank 0 defers nothing
+    gis = build_schedule("gis", 4, 8, 2)
+    gis_stash, gis_held = [stash[0]] * 8, [held[0]] * 8
+    assert list_order_peaks(gis, gis_stash, gis_held) == list_order_peaks(gis, gis_stash)
 
 
 def test_extension_in_m_matches_exact_simulation():
