@@ -88,9 +88,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); 1 keeps a loaded host's preemptions from "
+                             "stalling a thread team at every parallel region")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if on_gpu else "cpu")
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"bench_split_backward.py: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     torch.manual_seed(0)
     config, stack, rotary = build(args.hidden, args.seq, args.layers, device, dtype)
