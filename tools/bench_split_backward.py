@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -50,8 +51,9 @@ def build(hidden: int, seq: int, layers: int, device: torch.device, dtype: torch
     return config, stack, rotary
 
 
-def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, float, float]:
-    """Forward, then the backward timed: (B, 0, CPU seconds) whole, or (BI, BW, CPU seconds of both) split."""
+def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, float, float, int]:
+    """Forward, then the backward timed: (B, 0, CPU seconds, minor page faults) whole, or (BI, BW, CPU
+    seconds and page faults of both) split."""
     for layer in stack:
         layer.zero_grad(set_to_none=True)
     store = WeightGradStore()
@@ -60,16 +62,22 @@ def one_backward(stack, rotary, x, grad, split: bool, device) -> tuple[float, fl
         for layer in stack:
             y = layer(y, rotary, None, None)
         sync(device)
-        cpu, start = time.process_time(), time.perf_counter()
+        faults, cpu, start = _minor_faults(), time.process_time(), time.perf_counter()
         y.backward(grad)
         sync(device)
         backward = time.perf_counter() - start
     if not split:
-        return backward, 0.0, time.process_time() - cpu
+        return backward, 0.0, time.process_time() - cpu, _minor_faults() - faults
     start = time.perf_counter()
     store.run(0)
     sync(device)
-    return backward, time.perf_counter() - start, time.process_time() - cpu
+    return backward, time.perf_counter() - start, time.process_time() - cpu, _minor_faults() - faults
+
+
+def _minor_faults() -> int:
+    """Pages this process has faulted in so far: memory the allocator took from the OS afresh (load-proof,
+    unlike time, and where a split that holds more at once than the whole backward pays)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -80,9 +88,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); 1 keeps a loaded host's preemptions from "
+                             "stalling a thread team at every parallel region")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if on_gpu else "cpu")
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"bench_split_backward.py: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     torch.manual_seed(0)
     config, stack, rotary = build(args.hidden, args.seq, args.layers, device, dtype)
@@ -95,11 +111,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         times = {}
         for split in ((False, True) if r % 2 == 0 else (True, False)):
             runs = [one_backward(stack, rotary, x, grad, split, device) for _ in range(args.steps)]
-            times[split] = tuple(statistics.median(t[i] for t in runs) for i in (0, 1, 2))
-        (whole, _, whole_cpu), (bi, bw, split_cpu) = times[False], times[True]
+            times[split] = tuple(statistics.median(t[i] for t in runs) for i in (0, 1, 2, 3))
+        (whole, _, whole_cpu, whole_faults), (bi, bw, split_cpu, split_faults) = times[False], times[True]
         rounds.append({"b_s": whole, "bi_s": bi, "bw_s": bw, "split_over_whole": (bi + bw) / whole,
                        "input_over_whole": bi / whole, "b_cpu_s": whole_cpu, "split_cpu_s": split_cpu,
-                       "split_over_whole_cpu": split_cpu / whole_cpu})
+                       "split_over_whole_cpu": split_cpu / whole_cpu, "b_page_faults": whole_faults,
+                       "split_page_faults": split_faults})
     result = {key: statistics.median(r[key] for r in rounds)
               for key in ("split_over_whole", "input_over_whole", "split_over_whole_cpu")}
     spread = {key: [min(r[key] for r in rounds), max(r[key] for r in rounds)]

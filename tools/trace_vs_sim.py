@@ -251,8 +251,8 @@ def compare(trace: str, schedule: Schedule) -> dict:
     return {
         "pp": schedule.num_ranks, "chunks": schedule.num_chunks, "microbatches": schedule.num_microbatches,
         "steps_measured": len(measured),
-        "costs_ms": {f"{op.value}.{stage}": 1e3 * t for (op, stage), t in sorted(table.items(),
-                                                                                key=lambda kv: (kv[0][1], kv[0][0].value))},
+        "costs_ms": {f"{op.value}.{stage}": 1e3 * t
+                     for (op, stage), t in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0].value))},
         "cost_samples": {f"{op.value}.{stage}": len(v) for (op, stage), v in samples.items()},
         "p2p_latency_ms": 1e3 * latency,
         "blocked_receive_delay_ms": {"median": 1e3 * statistics.median(delays) if delays else None,
@@ -290,7 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.iters < 2:
             raise UsageError(f"--iters must be >= 2 (the first step is warm-up), got {args.iters}")
         # Every job's arguments and lists are checked before the first (slow) run.
-        jobs = [(pp, name, job_schedule(training_argv(args, name, pp, "trace.json"), pp)) for pp in pps for name in names]
+        jobs = [(pp, name, job_schedule(training_argv(args, name, pp, "trace.json"), pp))
+                for pp in pps for name in names]
     except (UsageError, ValueError) as err:
         print(f"trace_vs_sim.py: error: {err}", file=sys.stderr)
         return 2
@@ -302,11 +303,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(folder, exist_ok=True)
         for pp, name, schedule in jobs:
             trace = os.path.join(folder, f"trace_{name}_pp{pp}.json")
-            run_training(training_argv(args, name, pp, trace), pp, args.timeout)
+            try:
+                run_training(training_argv(args, name, pp, trace), pp, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                print(f"trace_vs_sim.py: {name} p={pp}: {err}", file=sys.stderr)
+                return 1
             row = {"schedule": name, **compare(trace, schedule)}
             results.append(row)
+            delay = row["blocked_receive_delay_ms"]["median"] or 0.0
             print(f"{name:>18} p={pp}: bubble trace {row['trace_bubble']:.3f}  sim {row['sim_bubble']:.3f}  "
-                  f"error {100 * row['relative_error']:.1f}%  (blocked-receive delay {row['blocked_receive_delay_ms']['median'] or 0:.1f} ms, executor "
+                  f"error {100 * row['relative_error']:.1f}%  (blocked-receive delay {delay:.1f} ms, executor "
                   f"{100 * statistics.mean(row['executor_share_of_busy']):.1f}% of busy)", flush=True)
     report = {
         "command": "python tools/trace_vs_sim.py " + " ".join(argv),

@@ -18,6 +18,12 @@ def test_tiny_cpu_run_writes_a_consistent_report(tmp_path):
     assert len(report["rounds"]) == 3 and all(r["b_s"] > 0 and r["bi_s"] > 0 and r["bw_s"] > 0 for r in report["rounds"])
     for key in ("split_over_whole", "input_over_whole", "split_over_whole_cpu"):
         assert report[key] == statistics.median(r[key] for r in report["rounds"])
-        assert report["round_range"][key] == [min(r[key] for r in report["rounds"]), max(r[key] for r in report["rounds"])]
+        values = [r[key] for r in report["rounds"]]
+        assert report["round_range"][key] == [min(values), max(values)]
     assert all(r["split_over_whole_cpu"] == r["split_cpu_s"] / r["b_cpu_s"] for r in report["rounds"])
     assert report["targets_met"]["input_over_whole"] == (report["input_over_whole"] <= 0.65)
+
+
+def test_threads_below_one_is_refused_in_one_line(capsys):
+    assert bench_split_backward.main(["--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "bench_split_backward.py: error: --threads must be >= 1, got 0"

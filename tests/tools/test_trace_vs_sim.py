@@ -65,10 +65,10 @@ def test_smallest_run_simulates_with_the_traces_costs(tmp_path, capsys):
 def test_bad_input_is_one_line_before_any_run(capsys):
     assert trace_vs_sim.main(["--schedules", "1f1b,nope"]) == 2
     assert trace_vs_sim.main(["--iters", "1"]) == 2
-    assert trace_vs_sim.main(["--pp", "2", "--schedules", "interleaved-1f1b", "--microbatches", "3"]) == 2
+    assert trace_vs_sim.main(["--pp", "4", "--num-layers", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("trace_vs_sim.py: error: ") for line in lines)
-    assert "'nope'" in lines[0] and "--iters" in lines[1] and "p=2" in lines[2]
+    assert "'nope'" in lines[0] and "--iters" in lines[1] and "p=4" in lines[2] and "--num-layers 2" in lines[2]
 
 
 def test_a_trace_of_another_layout_is_refused(tmp_path):
