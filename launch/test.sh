@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# The README's test command: set up (once), then run the whole suite (CPU, gloo, several processes).
+# The README's test command: set up (once), run the whole suite (CPU, gloo, several processes), then check
+# that docs/reproduction.md records what the code computes for every full-scale paper cell (no measurement,
+# a few CPU minutes). Arguments go to pytest and skip the reproduction check (a partial run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
 . .venv/bin/activate
-exec python -m pytest -q tests "$@"
+python -m pytest -q tests "$@"
+if [ "$#" -eq 0 ]; then
+  python tools/reproduce.py all --check
+fi

@@ -11,7 +11,7 @@ import torch
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.presets import get_preset
 from megatron_pp.schedules.bpipe import default_max_resident
-from megatron_pp.schedules.ir import Action, Op
+from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.offload_store import StashState
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerLink, PeerStore
 from megatron_pp.schedules.registry import build_schedule

@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 
 from megatron_pp.planning.bpipe_estimator import Candidate, Estimate, estimate
 from megatron_pp.planning.memory import stash_bytes
-from megatron_pp.planning.papers.common import (GB, GIB, PaperReport, Row, Setting, job_for, layer_model,
-                                                load_hardware_profile, load_setting, relative_error)
+from megatron_pp.planning.papers.common import (GB, GIB, PaperReport, Row, Setting, efficiency_home, job_for,
+                                                layer_model, load_hardware_profile, load_setting, relative_error)
 from megatron_pp.planning.papers.small import SmallScale, peak_trend, ratio_trend, tiny_config
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.simulate import CostModel, simulate
@@ -41,7 +41,7 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
     hw, _ = load_hardware_profile(hardware)
     source = (f"measured layer times from {efficiency_file}" if efficiency_file else
               f"the roofline on {hw.name} with the profile's matmul efficiency {hw.matmul_efficiency} "
-              f"(launch/hardware/{hardware}.yaml)")
+              f"({efficiency_home(hardware, hw.name)})")
     report = PaperReport(
         "bpipe", "BPipe, GPT-3 96B / 134B on 48 A100-80GB (Kim et al., ICML 2023)",
         f"no absolute figure taken from the paper, so layer times are {source}; nothing is fitted to BPipe. Memory: "
@@ -125,7 +125,8 @@ def formula_speedup(est: Estimate, b0: int, r0: str, b1: int, r1: str, bpipe1: b
 def predict_bpipe_reeval(hardware: str = "a100-80gb", efficiency_file: Optional[str] = None) -> PaperReport:
     hw, _ = load_hardware_profile(hardware)
     source = (f"measured layer times from {efficiency_file}" if efficiency_file else
-              f"roofline on {hw.name} with matmul efficiency {hw.matmul_efficiency} (launch/hardware/{hardware}.yaml)")
+              f"roofline on {hw.name} with matmul efficiency {hw.matmul_efficiency} "
+              f"({efficiency_home(hardware, hw.name)})")
     report = PaperReport(
         "bpipe-reeval", "Re-evaluating BPipe: GPT-3 with and without FlashAttention, LLaMA (Huang et al., 2024)",
         f"{source}; "

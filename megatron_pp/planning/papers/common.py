@@ -150,6 +150,14 @@ def builtin_efficiency(gpu: str) -> Optional[tuple[float, str]]:
     return None if profile is None else (profile.matmul_efficiency, profile.sources["matmul_efficiency"])
 
 
+def efficiency_home(hardware: str, gpu: str) -> str:
+    """Where the matmul efficiency of launch/hardware/`hardware`.yaml (GPU `gpu`) comes from, for a report's
+    calibration line."""
+    if builtin_efficiency(gpu) is not None:
+        return f"the planner's {gpu} profile, megatron_pp/planning/efficiency.py"
+    return f"launch/hardware/{hardware}.yaml"
+
+
 def _flags(values: dict) -> list[str]:
     flags: list[str] = []
     for key, value in values.items():
