@@ -41,6 +41,10 @@ def test_only_core_calls_torch_distributed():
                 if name.endswith(".py"):
                     path = os.path.join(folder, name)
                     offenders += [f"{os.path.relpath(path, ROOT)}:{line}" for line in _direct_uses(path)]
+    # The one exception: the side-by-side benchmark runs torch.distributed.pipelining's own runtime (its peer),
+    # so it imports that package; its communication otherwise goes through core like everyone else's.
+    offenders = [o for o in offenders
+                 if not (o.startswith("megatron_pp/training/vs_torch.py:") and "torch.distributed.pipelining" in o)]
     assert not offenders, "call megatron_pp.core (comm, p2p, parallel_state) instead:\n" + "\n".join(offenders)
 
 

@@ -204,7 +204,7 @@ def _validate_flags(flags, world_size, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     args = build_parser().parse_args(flags + ["--mock-data", "--train-iters", "1"])
-    return validate_args(args)
+    return validate_args(args, this_machine=False)  # a plan is for its cluster, not for this CPU machine
 
 
 @pytest.mark.parametrize("preset,gpus,batch", [("gpt3-1.3b", 16, 64), ("llama2-7b", 8, 32)])
@@ -354,8 +354,8 @@ def test_cli_prints_only_rows_the_training_script_accepts(capsys, monkeypatch):
 
     original = arguments.validate_args
 
-    def refusing_tp2(args, world_size=None):
-        errors = original(args, world_size)
+    def refusing_tp2(args, world_size=None, **kwargs):
+        errors = original(args, world_size, **kwargs)
         return errors + (["--tensor-model-parallel-size 2: refused for this test"]
                          if args.tensor_model_parallel_size == 2 else [])
 
