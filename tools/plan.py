@@ -22,7 +22,7 @@ from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
 from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
-from megatron_pp.planning.job import GIB, Cluster, Configuration, Job, Plan, Prediction  # noqa: E402
+from megatron_pp.planning.job import GIB, Cluster, Job, Plan, Prediction  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_pp.planning.planner import DEFAULT_MAX_MICRO_BATCH, Planner, equivalence_key  # noqa: E402
 from megatron_pp.planning.report import (TENSOR_PARALLEL_STATUS, TENSOR_PARALLEL_VALIDATED,  # noqa: E402
@@ -130,36 +130,12 @@ def header(plan: Plan, seconds: float) -> list[str]:
                      "the roofline with layer times measured on the target GPU (tools/bench_layer.py)")
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append(f"{plan.considered} configurations in {seconds:.1f} s: {plan.over_memory} over memory, "
-                 f"{sum(plan.skipped.values())} refused by their schedule, {plan.dominated} dominated (one with "
+                 f"{sum(plan.skipped.values())} refused (by their schedule or the training script's check), {plan.dominated} dominated (one with "
                  f"less recompute/offload fits), {plan.evaluated} built, {len(plan.ranked)} timed and ranked, "
                  f"{plan.untimed} left out (their step-time lower bound cannot rank)")
     for reason, count in sorted(plan.skipped.items(), key=lambda kv: -kv[1])[:SKIP_REASONS]:
         lines.append(f"  refused {count} x {reason if len(reason) <= 150 else reason[:147] + '...'}")
     return lines
-
-
-def refusal(job: Job, cluster: Cluster, c: Configuration) -> Optional[str]:
-    """The training script's own argument check on the flags this configuration prints (with mock data and
-    one iteration standing in for the data and length flags the user adds), at the cluster's world size:
-    the first error, or None when `pretrain_gpt.py` would start. The same function the script runs."""
-    from megatron_pp.training.arguments import build_parser, validate_args
-
-    flags = launch_flags(job, c) + ["--mock-data", "--train-iters", "1"]
-    errors = validate_args(build_parser().parse_args(flags), world_size=cluster.num_gpus, this_machine=False)
-    return errors[0] if errors else None
-
-
-def runnable(plan: Plan, rows: list[tuple[Prediction, int]]) -> tuple[list[tuple[Prediction, int]], list[str]]:
-    """The rows whose printed flags pass the training script's check, and a line per row that does not."""
-    kept, refused = [], []
-    for row in rows:
-        reason = refusal(plan.job, plan.cluster, row[0].configuration)
-        if reason is None:
-            kept.append(row)
-        else:
-            c = row[0].configuration
-            refused.append(f"{c.schedule} tp{c.tp} pp{c.pp} dp{c.dp} mbs{c.micro_batch_size}: {reason}")
-    return kept, refused
 
 
 def distinct(ranked: list[Prediction]) -> list[tuple[Prediction, int]]:
@@ -191,9 +167,9 @@ def table(rows: list[tuple[Prediction, int]]) -> list[str]:
                      f"{p.weight_versions:>1} {p.peak_memory_bytes / GIB:>8.1f} ({p.worst_rank:>2}) {p.step_s:>8.3f} "
                      f"{100 * p.bubble_fraction:>7.1f} {100 * p.mfu:>5.1f} {p.tokens_per_s:>9.0f} {equivalents:>3}")
     lines.append("W = weight versions per stage; alt = equivalent variants not shown (same layout and step time); "
-                 "zero1 (--use-distributed-optimizer) whenever dp > 1 unless --no-distributed-optimizer, except for "
-                 "schedules with weight versions (W = 2: 2BW), which pretrain_gpt.py runs with plain data "
-                 "parallelism only; sequence parallelism whenever tp > 1")
+                 "zero1 (--use-distributed-optimizer) whenever dp > 1 unless --no-distributed-optimizer, and "
+                 "plain data parallelism where pretrain_gpt.py refuses zero1 (schedules with weight versions, "
+                 "W = 2: 2BW); sequence parallelism whenever tp > 1")
     if any(p.configuration.tp > 1 for p, _ in rows) and not TENSOR_PARALLEL_VALIDATED:
         lines.append(f"tp* = step time unvalidated: {TENSOR_PARALLEL_STATUS}")
     return lines
@@ -205,14 +181,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         planner = build(args)
         plan = planner.plan(top=args.top, fold=True)
-        # Every printed row must start: checked with the training script's own argument validation.
-        rows, refused = runnable(plan, distinct(plan.ranked))
+        rows = distinct(plan.ranked)  # each passed the training script's own check inside the planner
         commands = [launch_command(plan.job, plan.cluster, p.configuration) for p, _ in rows[:args.commands]]
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     lines = header(plan, time.perf_counter() - started)
-    lines += [f"  left out (pretrain_gpt.py would refuse its flags): {line}" for line in refused]
     if not plan.ranked:
         lines.append("nothing fits: more GPUs, more memory, a shorter sequence or a smaller global batch")
         print("\n".join(lines))
@@ -224,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n".join(lines))
     if args.json:
         rows = [{**summary_row(p), "command": launch_command(plan.job, plan.cluster, p.configuration)}
-                for p in plan.ranked if refusal(plan.job, plan.cluster, p.configuration) is None]
+                for p in plan.ranked]
         write_json(args.json, {"command": "python tools/plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
                                "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows})
     return 0

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.planning.efficiency import (BF16_BYTES, EfficiencyModel, HardwareProfile, LayerShape, LayerTimes,
-                                             MeasuredCurve, Roofline, head_times)
+                                             MeasuredCurve, Roofline)
 from megatron_pp.planning.memory import (MEGATRON_BF16, RECOMPUTE_OPTIONS, Numerics, stage_state_bytes, stash_bytes,
                                          transient_activation_bytes)
 from megatron_pp.schedules.bpipe import add_bpipe, default_max_resident
@@ -203,14 +203,13 @@ def _bpipe_schedule(p: int, m: int, bound: int) -> Schedule:
 
 def _stage_times(job: Job, layer: LayerTimes, b: int, recompute: str,
                  hardware: HardwareProfile) -> list[tuple[float, float]]:
-    """(F, B) seconds of each stage for one microbatch; B includes what recomputation re-runs."""
-    head_f, head_b = head_times(job.config, b, job.tp, job.sequence_parallel, hardware)
-    out = []
-    for spec in job.stages:
-        forward = spec.num_layers * layer.forward_s + (head_f if spec.has_head else 0.0)
-        backward = spec.num_layers * (layer.compute_s(recompute) - layer.forward_s) + (head_b if spec.has_head else 0.0)
-        out.append((forward, backward))
-    return out
+    """(F, B) seconds of each stage for one microbatch (the planner's `cost.compute_costs`); B includes what
+    recomputation re-runs."""
+    from megatron_pp.planning.cost import compute_costs  # here: cost imports planning.job, which imports us
+
+    costs = compute_costs(job.config, job.stages, layer, hardware, micro_batch=b, tp=job.tp,
+                          sequence_parallel=job.sequence_parallel, recompute=recompute)
+    return [(costs[(Op.F, spec.stage)], costs[(Op.B, spec.stage)]) for spec in job.stages]
 
 
 def _boundary_seconds(job: Job, b: int, link_gbps: float) -> float:

@@ -8,8 +8,9 @@ options the evaluator fills in when a configuration does not give them (`with_pl
 unrolled `steps` of a flush-free schedule follow the option rules of `planning.planner`'s docstring.
 
 **Time.** Global stage `s` (one chunk) runs `F_s = L_s·t_F(b)` and `B_s = L_s·(t_B(b) + recompute)`, plus
-the output layer and cross-entropy on the last stage (`efficiency.head_times`). Layer times and what
-recomputation re-runs come from a `tools/bench_layer.py` measurement (`efficiency.MeasuredCurve`) or the
+the output layer and cross-entropy on the last stage (`efficiency.head_times`); `compute_costs` is the one
+place these are computed, for the planner, the BPipe estimator and the paper reproductions alike. Layer
+times and what recomputation re-runs come from a `tools/bench_layer.py` measurement (`efficiency.MeasuredCurve`) or the
 roofline (`efficiency.Roofline`), tensor-parallel collectives included. Where a list splits a backward,
 BW_s is the stage's weight-gradient GEMMs (`LayerTimes.weight_grad_s` per layer, plus an untied output
 layer's, `efficiency.head_weight_grad_s`) and BI_s = B_s − BW_s keeps the rest (recomputation and the
@@ -65,9 +66,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
-from megatron_pp.planning.efficiency import (EfficiencyModel, LayerShape, MeasuredCurve, Roofline, head_times,
-                                             head_weight_grad_s)
+from megatron_pp.planning.efficiency import (EfficiencyModel, HardwareProfile, LayerShape, LayerTimes, MeasuredCurve,
+                                             Roofline, head_times, head_weight_grad_s)
 from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction, ScheduleUnavailable
 from megatron_pp.planning.memory import (deferred_weight_grad_bytes, stage_parameters_per_gpu,
                                          state_bytes_per_parameter, stash_bytes, transient_activation_bytes)
@@ -91,6 +93,27 @@ TRANSFER_GRID_BASE = 2.0
 """`--offload-time` (a schedule option: where the offload pass places copies) is rounded up to a power of
 this base, so that candidates with nearly equal ratios share one built schedule; rounding up places
 reloads a little earlier, never later. The simulated copies themselves take their exact modelled time."""
+
+
+def compute_costs(config: TransformerConfig, specs: Sequence[StageSpec], layer: LayerTimes, hardware: HardwareProfile,
+                  *, micro_batch: int, tp: int, sequence_parallel: bool,
+                  recompute: str = "none") -> dict[tuple[Op, int], float]:
+    """Seconds of F, B, and of a split backward's BI and BW, of every global stage in `specs` for one
+    microbatch (the module docstring's **Time**): `layer` times per transformer layer, the head on the last
+    stage, BW = the weight-gradient GEMMs (an untied output layer's included) and BI = B − BW."""
+    head_f, head_b = head_times(config, micro_batch, tp, sequence_parallel, hardware)
+    head_w = (head_weight_grad_s(config, micro_batch, tp, hardware)
+              if config.untie_embeddings_and_output_weights else 0.0)
+    backward = layer.compute_s(recompute) - layer.forward_s
+    out: dict[tuple[Op, int], float] = {}
+    for spec in specs:
+        s, head = spec.stage, spec.has_head
+        f = spec.num_layers * layer.forward_s + (head_f if head else 0.0)
+        b = spec.num_layers * backward + (head_b if head else 0.0)
+        w = min(spec.num_layers * layer.weight_grad_s + (head_w if head else 0.0), b)
+        out.update({(Op.F, s): f, (Op.B, s): b, (Op.BI, s): b - w, (Op.BW, s): w})
+    return out
+
 
 @dataclass
 class _Replay:
@@ -212,23 +235,16 @@ class Evaluator:
             out.append(count)
         return out
 
+    def stage_compute_costs(self, c: Configuration) -> dict[tuple[Op, int], float]:
+        """`compute_costs` of every global stage of `c` (F, B with what recompute re-runs, BI, BW)."""
+        return compute_costs(self.job.config, self.stages(c), self.efficiency(c.tp).layer_times(c.micro_batch_size),
+                             self.cluster.hardware, micro_batch=c.micro_batch_size, tp=c.tp,
+                             sequence_parallel=c.sequence_parallel, recompute=c.recompute)
+
     def stage_times(self, c: Configuration) -> list[tuple[float, float]]:
         """(F, B) seconds of every global stage for one microbatch (B includes what recompute re-runs)."""
-        layer = self.efficiency(c.tp).layer_times(c.micro_batch_size)
-        head_f, head_b = head_times(self.job.config, c.micro_batch_size, c.tp, c.sequence_parallel,
-                                    self.cluster.hardware)
-        backward = layer.compute_s(c.recompute) - layer.forward_s
-        return [(spec.num_layers * layer.forward_s + (head_f if spec.has_head else 0.0),
-                 spec.num_layers * backward + (head_b if spec.has_head else 0.0)) for spec in self.stages(c)]
-
-    def stage_weight_grad_times(self, c: Configuration) -> list[float]:
-        """Seconds of every global stage's weight-gradient GEMMs for one microbatch: its BW when a list
-        splits the backward (part of `stage_times`' B)."""
-        layer = self.efficiency(c.tp).layer_times(c.micro_batch_size)
-        config = self.job.config
-        head = (head_weight_grad_s(config, c.micro_batch_size, c.tp, self.cluster.hardware)
-                if config.untie_embeddings_and_output_weights else 0.0)
-        return [spec.num_layers * layer.weight_grad_s + (head if spec.has_head else 0.0) for spec in self.stages(c)]
+        costs = self.stage_compute_costs(c)
+        return [(costs[(Op.F, s)], costs[(Op.B, s)]) for s in range(c.pp * c.num_chunks)]
 
     def stage_held_bytes(self, c: Configuration) -> list[int]:
         """Bytes a (microbatch, stage) stash holds beyond its own from a deferred BW's BI until that BW."""
@@ -239,13 +255,10 @@ class Evaluator:
         job, cluster = self.job, self.cluster
         # Some pipeline hop crosses nodes as soon as the job does (Megatron's rank order: tp, dp, then pp).
         pipeline_link = cluster.link_bytes_per_s(cluster.num_gpus)
-        measured: dict[tuple[Op, int], float] = {}
-        weight_grads = self.stage_weight_grad_times(c)
-        for s, (forward, backward) in enumerate(self.stage_times(c)):
+        measured = self.stage_compute_costs(c)
+        for s in range(len(stash)):
             host, peer = stash[s] / cluster.host_bytes_per_s, stash[s] / pipeline_link
-            w = min(weight_grads[s], backward)
-            measured.update({(Op.F, s): forward, (Op.B, s): backward, (Op.BI, s): backward - w, (Op.BW, s): w,
-                             (Op.OFFLOAD, s): host, (Op.RELOAD, s): host, (Op.EVICT, s): peer, (Op.LOAD, s): peer})
+            measured.update({(Op.OFFLOAD, s): host, (Op.RELOAD, s): host, (Op.EVICT, s): peer, (Op.LOAD, s): peer})
         rows = job.config.seq_length * c.micro_batch_size // (c.tp if c.sequence_parallel else 1)
         boundary = rows * job.config.hidden_size * job.numerics.activation_bytes / pipeline_link
         return CostModel(measured=measured, p2p_latency=boundary)

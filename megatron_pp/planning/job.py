@@ -194,11 +194,13 @@ class Plan:
     cluster: Cluster
     ranked: list[Prediction]
     considered: int
-    """Every configuration of the search space."""
+    """Every configuration of the search space, and the plain-data-parallel twin of each ZeRO-1 one the
+    training script refused (`Planner.plan`)."""
     over_memory: int
     """Configurations discarded because their modelled memory (or its lower bound) exceeds the budget."""
     skipped: dict[str, int]
-    """Reason (a schedule refusing a size, an unsupported option...) -> how many configurations."""
+    """Reason (a schedule refusing a size, an unsupported option, the training script's `validate_args`
+    refusing the flags...) -> how many configurations."""
     evaluated: int
     """Configurations whose schedules were built (`Planner.prepare`)."""
     dominated: int

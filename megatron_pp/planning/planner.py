@@ -11,9 +11,9 @@ larger space and replaces both closed forms by the repository's own models:
     micro_batch_size b    every divisor of the per-replica batch G / dp up to a bound; m = G / (dp·b)
     recompute             none, selective, full (`--recompute-granularity`)
     distributed optimizer on when dp > 1 (ZeRO-1: in this model it moves fewer bytes than a plain
-                          all-reduce and holds less, so it is never worse), or as asked; never for a
-                          schedule whose lists carry weight versions (2BW's deferred update keeps whole
-                          fp32 main weights per stage, and `validate_args` refuses the pair)
+                          all-reduce and holds less, so it is never worse), or as asked; where the
+                          training script refuses it (2BW: its deferred update keeps whole fp32 main
+                          weights per stage), the same configuration with plain data parallelism instead
     schedule              every schedule in `schedules.registry`, plugins included, with v ≥ 2 chunks per
                           rank (v dividing the layers per rank) for those that support virtual stages
 
@@ -38,6 +38,13 @@ Other options keep their defaults.
 The cost of each configuration (memory per rank, step time) is `planning.cost`; its launch flags and
 the table row are `planning.report`.
 
+**Every ranked configuration runs**: before a configuration is ranked, or used to rule out another
+(below), its launch flags go through `pretrain_gpt.py`'s own argument check (`report.refusal`, which calls
+`training.arguments.validate_args`: the one function, at the cluster's world size). A configuration it
+refuses is left out with the script's reason in `Plan.skipped`; a refused ZeRO-1 configuration is replaced
+by its plain-data-parallel twin unless that one is in the search already. The check runs on the few
+configurations that reach the ranking, not on the whole space: it builds the job's full action lists.
+
 **Search** (`Planner.plan`): best-first on lower bounds, so a large space costs little more than its best
 rows. Each configuration gets schedule-free lower bounds of memory and step time (`Planner.bounds`);
 those over memory are dropped. The rest are taken in order of their time bound: a configuration is
@@ -60,14 +67,15 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from typing import Iterator, Optional, Sequence
 
 from megatron_pp.planning.cost import Evaluator, _Prepared
 from megatron_pp.planning.job import Cluster, Configuration, Job, Plan, Prediction, ScheduleUnavailable
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS
-from megatron_pp.schedules.registry import (ScheduleEntry, build_at_nominal_size, registered_schedules)
-from megatron_pp.schedules.runtime import runtime_needs
+from megatron_pp.planning.report import entry_point, refusal
+from megatron_pp.schedules.registry import ScheduleEntry, registered_schedules
 
 DEFAULT_MAX_MICRO_BATCH = 8
 
@@ -104,6 +112,8 @@ class Planner(Evaluator):
         self.max_micro_batch_size = max_micro_batch_size
         self.max_virtual_stages = max_virtual_stages
         self.distributed_optimizer = tuple(distributed_optimizer)
+        self._refusals: dict[Configuration, Optional[str]] = {}
+        self._parser = None
 
     # Search space --------------------------------------------------------------------------------------
     def layouts(self) -> list[tuple[int, int, int]]:
@@ -160,15 +170,15 @@ class Planner(Evaluator):
                 out.append((v, ()))
         return out
 
-    def carries_weight_versions(self, entry: ScheduleEntry, pp: int) -> bool:
-        """Whether `entry`'s lists carry weight versions (a fact of its lists, as the trainer reads it)."""
-        key = ("versions", entry.name, pp)
-        if key not in self._per_stage:
-            try:
-                self._per_stage[key] = runtime_needs(build_at_nominal_size(entry.name, pp)).weight_versions
-            except Exception:  # noqa: BLE001 - a plugin may fail any way; its configurations are skipped later
-                self._per_stage[key] = False
-        return self._per_stage[key]
+    def refusal(self, c: Configuration) -> Optional[str]:
+        """Why the training script would refuse `c`'s launch flags (`report.refusal`), or None; cached."""
+        if c not in self._refusals:
+            if self._parser is None:
+                from megatron_pp.training.arguments import build_parser
+
+                self._parser = build_parser()
+            self._refusals[c] = refusal(self.job, self.cluster, c, self._parser)
+        return self._refusals[c]
 
     def configurations(self) -> Iterator[Configuration]:
         """The search space, each configuration after those that dominate it (same everything, fewer
@@ -179,12 +189,7 @@ class Planner(Evaluator):
             per_replica = self.job.global_batch_size // dp
             sizes = [b for b in range(1, min(self.max_micro_batch_size, per_replica) + 1) if per_replica % b == 0]
             for entry in entries:
-                zeros = {z and dp > 1 for z in self.distributed_optimizer}
-                if self.carries_weight_versions(entry, pp):
-                    # A deferred update (2BW) keeps whole fp32 main weights per stage: validate_args refuses
-                    # --use-distributed-optimizer with it, so it is planned with plain data parallelism.
-                    zeros = {False}
-                for zero in sorted(zeros):
+                for zero in sorted({z and dp > 1 for z in self.distributed_optimizer}):
                     for v, options in self.variants(entry, pp):
                         for b in sizes:
                             for r in recompute:
@@ -205,64 +210,136 @@ class Planner(Evaluator):
         compute and offload only adds waits for copies (the compute order is unchanged), so it cannot be
         faster; `configurations` yields the dominating ones first, which the bound order keeps.
         """
-        _, unknown = self.entries()
-        skipped: dict[str, int] = {f"schedule {name!r} is not registered": 1 for name in unknown}
-        fitting: dict[Configuration, list[tuple[int, int]]] = {}
-        waiting: list[tuple[float, int, Configuration | _Prepared]] = []
-        over = evaluated = dominated = untimed = considered = 0
-        for order, c in enumerate(self.configurations()):
-            considered += 1
-            memory, time_bound = self.bounds(c)
-            if memory > self.cluster.capacity_bytes:
-                over += 1
-            else:
-                waiting.append((time_bound, order, c))
-        heapq.heapify(waiting)
-
-        def fits(c: Configuration) -> None:
-            group, level = _ladder(c)
-            fitting.setdefault(group, []).append(level)
-
-        ranked: list[Prediction] = []
-        leaders: list[Prediction] = []
-        while waiting:
-            bound, order, item = heapq.heappop(waiting)
-            if top is not None and len(leaders) >= top and _rounded(bound) > _rounded(leaders[top - 1].step_s):
-                untimed = 1 + len(waiting)
-                break
-            try:
-                if isinstance(item, Configuration):
-                    group, level = _ladder(item)
-                    if any(k <= level[0] and r <= level[1] for k, r in fitting.get(group, ())):
-                        dominated += 1
-                        continue
-                    evaluated += 1
-                    prepared = self.prepare(item)
-                    if prepared.memory is not None:
-                        if not prepared.memory.fits:
-                            over += 1
-                            continue
-                        fits(item)
-                    heapq.heappush(waiting, (prepared.bound_s, order, prepared))
-                    continue
-                prediction = self.finish(item)
-            except ScheduleUnavailable as err:
-                skipped[str(err)] = skipped.get(str(err), 0) + 1
-                continue
-            if not prediction.fits:
-                over += 1
-                continue
-            if item.memory is None:
-                fits(item.configuration)
-            ranked.append(prediction)
-            ranked.sort(key=ranking_key)
-            leaders = _leaders(ranked) if fold else ranked
-        if top is not None:
-            kept = {equivalence_key(p) for p in leaders[:top]} if fold else None
-            ranked = [p for p in ranked if equivalence_key(p) in kept] if fold else ranked[:top]
+        search = _Search(self, top, fold)
+        for c in self.configurations():
+            search.enqueue(c)
+        ranked = search.run()
         description = self.efficiency(1).describe() if self.layouts() else ""
-        return Plan(self.job, self.cluster, ranked, considered, over, skipped, evaluated, dominated, untimed,
-                    list(self.warnings), description)
+        return Plan(self.job, self.cluster, ranked, search.considered, search.over, search.skipped,
+                    search.evaluated, sum(map(len, search.parked.values())), search.untimed, list(self.warnings),
+                    description)
+
+
+class _Search:
+    """The state of one `Planner.plan`: the configurations waiting in order of their step-time bound, the
+    fitting ones (which may rule out others), those parked behind one that rules them out, and what was
+    left out and why.
+
+    The training script's check (`Planner.refusal`) costs a build of the job's full action lists, so it
+    runs only where its answer matters: on each configuration that would be returned (the leaders, and with
+    `fold` every member of their classes), which also decides when the search may stop. A configuration that
+    rules out another is not checked when it does so: the one it rules out is parked behind it, and put back
+    in the queue if the script refuses it. Parked behind one that does not rank, it could not rank either.
+    """
+
+    def __init__(self, planner: Planner, top: Optional[int], fold: bool) -> None:
+        self.planner, self.top, self.fold = planner, top, fold
+        _, unknown = planner.entries()
+        self.skipped: dict[str, int] = {f"schedule {name!r} is not registered": 1 for name in unknown}
+        self.waiting: list[tuple[float, int, Configuration | _Prepared]] = []
+        self.fitting: dict[Configuration, list[tuple[tuple[int, int], Configuration]]] = {}
+        self.parked: dict[Configuration, list[tuple[float, int, Configuration]]] = {}
+        self.ranked: list[Prediction] = []
+        self.orders = itertools.count()
+        self.considered = self.over = self.evaluated = self.untimed = 0
+
+    def enqueue(self, c: Configuration) -> None:
+        self.considered += 1
+        memory, time_bound = self.planner.bounds(c)
+        if memory > self.planner.cluster.capacity_bytes:
+            self.over += 1
+        else:
+            heapq.heappush(self.waiting, (time_bound, next(self.orders), c))
+
+    def refused(self, c: Configuration) -> bool:
+        """Whether the training script refuses `c`. A refusal is counted once; it brings back what `c`
+        ruled out and, for a ZeRO-1 configuration, its plain-data-parallel twin."""
+        planner = self.planner
+        new = c not in planner._refusals
+        reason = planner.refusal(c)
+        if reason is not None and new:
+            key = f"{entry_point(planner.job.config)} refuses its flags: {reason}"
+            self.skipped[key] = self.skipped.get(key, 0) + 1
+            if c.distributed_optimizer and False not in planner.distributed_optimizer:
+                self.enqueue(dataclasses.replace(c, distributed_optimizer=False))
+            for item in self.parked.pop(c, ()):
+                heapq.heappush(self.waiting, item)
+        return reason is not None
+
+    def fits(self, c: Configuration) -> None:
+        group, level = _ladder(c)
+        self.fitting.setdefault(group, []).append((level, c))
+
+    def dominator(self, c: Configuration) -> Optional[Configuration]:
+        """A fitting configuration, not known to be refused, that differs from `c` only by fewer offloaded
+        chunks and no more recomputation."""
+        group, level = _ladder(c)
+        for (k, r), other in self.fitting.get(group, ()):
+            if k <= level[0] and r <= level[1] and self.planner._refusals.get(other) is None:
+                return other
+        return None
+
+    def leaders(self) -> list[Prediction]:
+        """The `top` best-ranked accepted predictions (with `fold`, the first accepted member of each of
+        the `top` best classes, every member of which is checked as it will be returned)."""
+        leaders: list[Prediction] = []
+        classes: set[tuple] = set()
+        for p in self.ranked:
+            key = equivalence_key(p)
+            if self.fold and key in classes:
+                self.refused(p.configuration)
+            elif self.top is None or len(leaders) < self.top:
+                if not self.refused(p.configuration):
+                    leaders.append(p)
+                    classes.add(key)
+            elif not self.fold:
+                break
+        return leaders
+
+    def run(self) -> list[Prediction]:
+        top, planner = self.top, self.planner
+        leaders: list[Prediction] = []
+        stopped = False
+        while not stopped:
+            while self.waiting:
+                bound, order, item = heapq.heappop(self.waiting)
+                if top is not None and len(leaders) >= top and _rounded(bound) > _rounded(leaders[top - 1].step_s):
+                    self.untimed = 1 + len(self.waiting)
+                    stopped = True
+                    break
+                try:
+                    if isinstance(item, Configuration):
+                        other = self.dominator(item)
+                        if other is not None:
+                            self.parked.setdefault(other, []).append((bound, order, item))
+                            continue
+                        self.evaluated += 1
+                        prepared = planner.prepare(item)
+                        if prepared.memory is not None:
+                            if not prepared.memory.fits:
+                                self.over += 1
+                                continue
+                            self.fits(prepared.configuration)
+                        heapq.heappush(self.waiting, (prepared.bound_s, order, prepared))
+                        continue
+                    prediction = planner.finish(item)
+                except ScheduleUnavailable as err:
+                    self.skipped[str(err)] = self.skipped.get(str(err), 0) + 1
+                    continue
+                if not prediction.fits:
+                    self.over += 1
+                    continue
+                if item.memory is None:
+                    self.fits(item.configuration)
+                self.ranked.append(prediction)
+                self.ranked.sort(key=ranking_key)
+                if top is not None:  # the stopping rule needs them now
+                    leaders = self.leaders()
+            leaders = self.leaders()  # a refusal found here puts configurations back in the queue
+            stopped = stopped or not self.waiting
+        kept = {equivalence_key(p) for p in leaders}
+        return [p for p in self.ranked if planner._refusals.get(p.configuration, "unchecked") is None
+                and (equivalence_key(p) in kept if self.fold else any(p is q for q in leaders))]
 
 
 def equivalence_key(p: Prediction) -> tuple:

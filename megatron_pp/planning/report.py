@@ -1,14 +1,17 @@
 """What the planner hands a user: the launch flags and command line of a configuration (the flags
-`pretrain_gpt.py` / `pretrain_llama.py` take, checked by their own `validate_args` in tools/plan.py), and a
-prediction as a plain table row (tools/plan.py's table and JSON)."""
+`pretrain_gpt.py` / `pretrain_llama.py` take), the training script's own verdict on them (`refusal`, which
+the planner asks before it ranks a configuration), and a prediction as a plain table row (tools/plan.py's
+table and JSON)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import warnings
+from typing import Mapping, Optional
 
 from megatron_pp.models.config import TransformerConfig, flag
 from megatron_pp.models.presets import get_preset
 from megatron_pp.planning.job import GIB, Cluster, Configuration, Job, Prediction
+from megatron_pp.schedules.offload import OffloadWarning
 from megatron_pp.schedules.registry import schedule_options
 
 
@@ -71,6 +74,23 @@ def launch_flags(job: Job, c: Configuration) -> list[str]:
     if job.bf16:
         flags.append("--bf16")
     return flags
+
+
+def refusal(job: Job, cluster: Cluster, c: Configuration, parser=None) -> Optional[str]:
+    """The training script's own argument check (`training.arguments.validate_args`, the function
+    `pretrain_gpt.py` runs, not a copy) on the flags `c` prints, with mock data and one iteration standing in
+    for the data and length flags the user adds, at the cluster's world size and without asking this machine
+    for CUDA: the first error, or None when the script would start. `parser`: a `build_parser()` to reuse
+    (building one takes longer than most checks)."""
+    from megatron_pp.training import arguments  # looked up at call time: the script's function as it is now
+
+    parser = arguments.build_parser() if parser is None else parser
+    flags = launch_flags(job, c) + ["--mock-data", "--train-iters", "1"]
+    with warnings.catch_warnings():
+        # Stashes the offload pass cannot place stay on the device: the plan's memory already shows them.
+        warnings.simplefilter("ignore", OffloadWarning)
+        errors = arguments.validate_args(parser.parse_args(flags), world_size=cluster.num_gpus, this_machine=False)
+    return errors[0] if errors else None
 
 
 def launch_command(job: Job, cluster: Cluster, c: Configuration) -> str:

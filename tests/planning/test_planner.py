@@ -228,13 +228,42 @@ def test_ranked_rows_carry_flags_the_training_parser_accepts(preset, gpus, batch
     assert "--seq-length 1024" in " ".join(launch_flags(job, rows[0].configuration))
 
 
-def test_2bw_is_never_planned_with_the_distributed_optimizer():
-    job = Job("gpt3-1.3b", dataclasses.replace(get_preset("gpt3-1.3b"), seq_length=1024, max_position_embeddings=1024),
-              64)
-    configurations = list(Planner(job, Cluster(16, A100_80GB), max_micro_batch_size=1).configurations())
-    assert any(c.schedule == "2bw" for c in configurations)
-    assert any(c.distributed_optimizer for c in configurations)
-    assert not any(c.schedule == "2bw" and c.distributed_optimizer for c in configurations)
+def test_the_planner_returns_only_configurations_the_training_script_accepts():
+    """The library checks what it returns with pretrain_gpt.py's own validate_args: 2BW with ZeRO-1 is in
+    the search, refused with the script's reason, and replaced by its plain-data-parallel twin."""
+    job = Job("gpt3-350m", get_preset("gpt3-350m"), 16)
+    planner = Planner(job, Cluster(8, A100_80GB), schedules=["1f1b", "2bw"], max_micro_batch_size=1)
+    assert any(c.schedule == "2bw" and c.distributed_optimizer for c in planner.configurations())
+    plan = planner.plan()
+    assert not any(p.configuration.schedule == "2bw" and p.configuration.distributed_optimizer for p in plan.ranked)
+    assert any(p.configuration.schedule == "2bw" and p.configuration.dp > 1 for p in plan.ranked)
+    assert any(p.configuration.distributed_optimizer for p in plan.ranked)  # 1F1B keeps ZeRO-1
+    reasons = [r for r in plan.skipped if "pretrain_gpt.py refuses its flags" in r]
+    assert reasons and all("2bw" in r and "--use-distributed-optimizer is not supported" in r for r in reasons)
+    for p in plan.ranked:
+        assert planner.refusal(p.configuration) is None
+
+
+def test_a_refused_configuration_rules_out_nothing(monkeypatch):
+    """A configuration the script refuses does not rule out the same one with more recomputation (parked
+    behind it, it comes back): with recompute none refused, the plan is the one searched without it."""
+    from megatron_pp.training import arguments
+
+    original = arguments.validate_args
+
+    def refusing_no_recompute(args, world_size=None, **kwargs):
+        errors = original(args, world_size, **kwargs)
+        return errors + (["no --recompute-granularity: refused for this test"]
+                         if args.recompute_granularity is None else [])
+
+    job = Job("gpt3-350m", get_preset("gpt3-350m"), 64)
+    cluster = Cluster(8, dataclasses.replace(A100_80GB, memory_gib=8))
+    without = Planner(job, cluster, schedules=["1f1b"], max_micro_batch_size=1, recompute_options=("selective", "full"))
+    expected = [p.configuration for p in without.plan(top=3).ranked]
+    monkeypatch.setattr(arguments, "validate_args", refusing_no_recompute)
+    plan = Planner(job, cluster, schedules=["1f1b"], max_micro_batch_size=1).plan(top=3)
+    assert [p.configuration for p in plan.ranked] == expected
+    assert any("refused for this test" in reason for reason in plan.skipped)
 
 
 # Plugins -------------------------------------------------------------------------------------------------
@@ -348,8 +377,8 @@ def test_tensor_parallel_collectives_take_the_numerics_bytes_and_a_latency():
 
 
 def test_cli_prints_only_rows_the_training_script_accepts(capsys, monkeypatch):
-    """The tool checks every row it prints with pretrain_gpt.py's own validate_args: a row the script would
-    refuse is left out with the script's reason."""
+    """Every row the tool prints passed pretrain_gpt.py's own validate_args inside the planner: a
+    configuration the script would refuse is not printed, and the header gives the script's reason."""
     from megatron_pp.training import arguments
 
     original = arguments.validate_args
@@ -364,7 +393,7 @@ def test_cli_prints_only_rows_the_training_script_accepts(capsys, monkeypatch):
             "--max-micro-batch-size", "2", "--top", "40", "--commands", "40", "--schedules", "1f1b"]
     assert plan_tool.main(argv) == 0
     text = capsys.readouterr().out
-    assert "left out (pretrain_gpt.py would refuse its flags): 1f1b tp2" in text
+    assert "pretrain_gpt.py refuses its flags: --tensor-model-parallel-size 2: refused for this test" in text
     assert "--tensor-model-parallel-size 2 " not in text and "--tensor-model-parallel-size 4 " in text
     # Their step time includes the tensor-parallel term, which the CPU validation has not confirmed.
     assert "tp* = step time unvalidated" in text and " 4* " in text
@@ -387,7 +416,7 @@ def test_cli_plans_a_schedule_file_and_names_it_in_the_commands(capsys, tmp_path
         commands = [line for line in text.splitlines() if line.startswith("#")]
         assert commands and all(f"--pipeline-schedule-file {path}" in c and "--pipeline-model-parallel-size 4" in c
                                 and "--pipeline-schedule " not in c for c in commands)
-        assert "would refuse its flags" not in text
+        assert "refuses its flags" not in text
         assert plan_tool.main(argv + ["--schedules", "1f1b"]) == 2
         assert "not both" in capsys.readouterr().err
     finally:

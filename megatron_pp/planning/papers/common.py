@@ -15,8 +15,8 @@ import yaml
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.planning.bpipe_estimator import Job
-from megatron_pp.planning.efficiency import (HARDWARE_PROFILES, HardwareProfile, LayerTimes, MeasuredCurve, Roofline,
-                                             head_times)
+from megatron_pp.planning.cost import compute_costs
+from megatron_pp.planning.efficiency import HARDWARE_PROFILES, HardwareProfile, LayerTimes, MeasuredCurve, Roofline
 from megatron_pp.planning.memory import attention_kind
 from megatron_pp.schedules.ir import Op
 
@@ -274,15 +274,10 @@ def gb_text(value: float) -> str:
 
 
 def chunk_costs(setting: Setting, hw: HardwareProfile, specs: Sequence[StageSpec], layer: LayerTimes,
-                 scale: float, split: bool, recompute: str = "none") -> dict:
-    """(op, global stage) -> seconds: layers × layer time (+ the head on the last stage), compute × scale."""
-    head_f, head_b = head_times(setting.config, setting.micro_batch, setting.tp, setting.args.sequence_parallel, hw)
-    costs = {}
-    for spec in specs:
-        f = spec.num_layers * layer.forward_s + (head_f if spec.has_head else 0.0)
-        b = spec.num_layers * (layer.compute_s(recompute) - layer.forward_s) + (head_b if spec.has_head else 0.0)
-        f, b = max(f, 1e-6) * scale, max(b, 1e-6) * scale
-        costs[(Op.F, spec.stage)], costs[(Op.B, spec.stage)] = f, b
-        if split:
-            costs[(Op.BI, spec.stage)], costs[(Op.BW, spec.stage)] = b / 2, b / 2
-    return costs
+                scale: float, split: bool, recompute: str = "none") -> dict:
+    """(op, global stage) -> seconds, from the planner's own cost function (`cost.compute_costs`: F, B and
+    a split backward's BI and BW), compute × scale; BI and BW only where the schedule splits the backward."""
+    costs = compute_costs(setting.config, specs, layer, hw, micro_batch=setting.micro_batch, tp=setting.tp,
+                          sequence_parallel=setting.args.sequence_parallel, recompute=recompute)
+    ops = (Op.F, Op.B, Op.BI, Op.BW) if split else (Op.F, Op.B)
+    return {(op, s): max(t, 1e-6) * scale for (op, s), t in costs.items() if op in ops}
