@@ -11,6 +11,7 @@ stashes still in device memory (`resident_count`), without touching the executor
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Iterator
@@ -18,19 +19,37 @@ from typing import Hashable, Iterable, Iterator
 import torch
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
 @dataclass
 class Stash:
     key: Hashable
-    storages: dict[int, int] = field(default_factory=dict)  # data_ptr -> nbytes
+    storages: dict[Hashable, int] = field(default_factory=dict)  # data_ptr -> nbytes
+    # data_ptr -> weak reference to the storage counted there. An address alone does not name a storage: a
+    # storage the stash counted can be freed before the stash is released (a split backward's BI frees what
+    # its BW does not need) and the allocator can hand its address to a new tensor the stash then holds.
+    _alive: dict[int, weakref.ref] = field(default_factory=dict, repr=False)
+    _freed: int = field(default=0, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
+
+    def add(self, t: torch.Tensor) -> int:
+        """Count `t`'s storage in this stash unless it already is; the bytes newly counted."""
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0:
+            return 0
+        if ptr in self.storages:
+            counted = self._alive.get(ptr)
+            if counted is None or counted() is storage:  # the same storage (or one a subclass re-registered)
+                return 0
+            # The storage counted at this address was freed, yet stays counted until the stash is released
+            # (as the planner counts it); the new one at the same address is more memory, not the same.
+            self._freed += 1
+            self.storages[("freed", self._freed)] = self.storages.pop(ptr)
+        self.storages[ptr] = nbytes
+        self._alive[ptr] = weakref.ref(storage)
+        return nbytes
 
 
 class ActivationStore:
@@ -76,10 +95,7 @@ class ActivationStore:
         its BW) as part of live stash `key` until it is released."""
         stash = self.live[key]
         for t in tensors:
-            ptr, nbytes = _storage_key(t)
-            if ptr not in stash.storages and nbytes > 0:
-                stash.storages[ptr] = nbytes
-                self.live_bytes += nbytes
+            self.live_bytes += stash.add(t)
         self._note_peak()
 
     def release(self, key: Hashable) -> None:
@@ -113,12 +129,9 @@ class ActivationStore:
     # Hooks: called by autograd ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
         stash = self._current
-        if stash is not None:
-            ptr, nbytes = _storage_key(t)
-            if ptr not in self._excluded and ptr not in stash.storages and nbytes > 0:
-                stash.storages[ptr] = nbytes
-                self.live_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if stash is not None and t.untyped_storage().data_ptr() not in self._excluded:
+            self.live_bytes += stash.add(t)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return t
 
     def is_excluded(self, t: torch.Tensor) -> bool:
