@@ -22,16 +22,17 @@ import torch
 @dataclass
 class Stash:
     key: Hashable
-    storages: dict[Hashable, int] = field(default_factory=dict)  # data_ptr -> nbytes
+    storages: dict[int, int] = field(default_factory=dict)  # data_ptr -> nbytes
     # data_ptr -> weak reference to the storage counted there. An address alone does not name a storage: a
     # storage the stash counted can be freed before the stash is released (a split backward's BI frees what
     # its BW does not need) and the allocator can hand its address to a new tensor the stash then holds.
     _alive: dict[int, weakref.ref] = field(default_factory=dict, repr=False)
-    _freed: int = field(default=0, repr=False)
+    freed_bytes: int = 0
+    """Bytes of counted storages freed while the stash is live, whose address a later storage took."""
 
     @property
     def nbytes(self) -> int:
-        return sum(self.storages.values())
+        return sum(self.storages.values()) + self.freed_bytes
 
     def add(self, t: torch.Tensor) -> int:
         """Count `t`'s storage in this stash unless it already is; the bytes newly counted."""
@@ -45,8 +46,7 @@ class Stash:
                 return 0
             # The storage counted at this address was freed, yet stays counted until the stash is released
             # (as the planner counts it); the new one at the same address is more memory, not the same.
-            self._freed += 1
-            self.storages[("freed", self._freed)] = self.storages.pop(ptr)
+            self.freed_bytes += self.storages.pop(ptr)
         self.storages[ptr] = nbytes
         self._alive[ptr] = weakref.ref(storage)
         return nbytes
