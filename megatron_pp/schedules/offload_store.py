@@ -287,9 +287,9 @@ class OffloadStore(ActivationStore):
         if key in self._records:
             self._records[key].state = StashState.SAVED
 
-    def pack(self, t: torch.Tensor):
-        packed = super().pack(t)
-        record = self._records.get(self._current.key) if self._current is not None else None
+    def pack(self, t: torch.Tensor, stash):
+        packed = super().pack(t, stash)
+        record = self._records.get(stash.key)
         if record is None:
             return packed
         storage = t.untyped_storage()

@@ -258,9 +258,9 @@ class AcceptorStore(ActivationStore):
         if self._guests:
             raise RuntimeError(f"BPipe acceptor: step ended hosting stashes {sorted(self._guests)} of the partner")
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor, stash):
         self.poll()  # a peak is counted against what is really still held
-        packed = super().pack(t)
+        packed = super().pack(t, stash)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.guest_bytes)
         return packed
 

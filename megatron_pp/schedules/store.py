@@ -38,8 +38,6 @@ class Stash:
         """Count `t`'s storage in this stash unless it already is; the bytes newly counted."""
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0:
-            return 0
         if ptr in self.storages:
             counted = self._alive.get(ptr)
             if counted is None or counted() is storage:  # the same storage (or one a subclass re-registered)
@@ -59,7 +57,6 @@ class ActivationStore:
         self._excluded: set[int] = set()
         self.exclude(exclude)
         self.live: dict[Hashable, Stash] = {}
-        self._current: Stash | None = None
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_count = 0
@@ -82,12 +79,8 @@ class ActivationStore:
             raise RuntimeError(f"stash {key} is already live: a forward ran twice without its backward")
         stash = Stash(key)
         self.live[key] = stash
-        self._current = stash
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield stash
-        finally:
-            self._current = None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, stash), self.unpack):
+            yield stash
         self._note_peak()
 
     def hold(self, key: Hashable, tensors: Iterable[torch.Tensor]) -> None:
@@ -127,11 +120,11 @@ class ActivationStore:
         self.peak_count = max(self.peak_count, self.resident_count)
 
     # Hooks: called by autograd ---------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor):
-        stash = self._current
-        if stash is not None and t.untyped_storage().data_ptr() not in self._excluded:
+    def pack(self, t: torch.Tensor, stash: Stash):
+        """Attribute `t` (saved by autograd inside `stash(key)`) to that stash; the peak is noted when the
+        block ends, since nothing is released while a forward runs."""
+        if t.untyped_storage().data_ptr() not in self._excluded:
             self.live_bytes += stash.add(t)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return t
 
     def is_excluded(self, t: torch.Tensor) -> bool:
