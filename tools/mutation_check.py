@@ -49,6 +49,7 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/schedules/looped.py": ["tests/schedules/test_looped.py"],
     "megatron_pp/schedules/gis.py": ["tests/schedules/test_gis.py"],
     "megatron_pp/schedules/zero_bubble.py": ["tests/schedules/test_zero_bubble.py"],
+    "megatron_pp/schedules/vshape.py": ["tests/schedules/test_vshape.py"],
     "megatron_pp/schedules/offload.py": ["tests/schedules/test_offload.py"],
     "megatron_pp/schedules/bpipe.py": ["tests/schedules/test_bpipe.py"],
     "megatron_pp/schedules/twobw.py": ["tests/schedules/test_2bw.py"],
