@@ -43,16 +43,17 @@ sys.path.insert(0, ROOT)
 from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 
 EDGES = "tests/training/test_exactness_edges.py"
+SIZES = "tests/schedules/test_generators.py::test_every_generator_refuses_sizes_that_are_not_positive_ints_naming_the_argument"
 # Module -> the tests that cover it (pytest arguments: files or node ids).
 COVERING: dict[str, list[str]] = {
     "megatron_pp/schedules/generators.py": ["tests/schedules/test_generators.py", "tests/schedules/test_simulate.py"],
-    "megatron_pp/schedules/looped.py": ["tests/schedules/test_looped.py"],
-    "megatron_pp/schedules/gis.py": ["tests/schedules/test_gis.py"],
-    "megatron_pp/schedules/zero_bubble.py": ["tests/schedules/test_zero_bubble.py"],
-    "megatron_pp/schedules/vshape.py": ["tests/schedules/test_vshape.py"],
+    "megatron_pp/schedules/looped.py": [SIZES, "tests/schedules/test_looped.py"],
+    "megatron_pp/schedules/gis.py": [SIZES, "tests/schedules/test_gis.py"],
+    "megatron_pp/schedules/zero_bubble.py": [SIZES, "tests/schedules/test_zero_bubble.py"],
+    "megatron_pp/schedules/vshape.py": [SIZES, "tests/schedules/test_vshape.py"],
     "megatron_pp/schedules/offload.py": ["tests/schedules/test_offload.py"],
     "megatron_pp/schedules/bpipe.py": ["tests/schedules/test_bpipe.py"],
-    "megatron_pp/schedules/twobw.py": ["tests/schedules/test_2bw.py"],
+    "megatron_pp/schedules/twobw.py": [SIZES, "tests/schedules/test_2bw.py"],
     "megatron_pp/schedules/comm.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py",
                                       "tests/schedules/test_gis.py"],
     "megatron_pp/schedules/validate.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py",

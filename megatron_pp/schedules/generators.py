@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_pp.schedules.comm import insert_communication
-from megatron_pp.schedules.ir import Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import Action, Op, Schedule, ScheduleError, positive_int
 
 
 def looped_placement(num_ranks: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -35,10 +35,9 @@ def flush_order(forwards: Sequence[Action], backwards: Sequence[Action], num_war
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
-                        ("num_chunks", num_chunks)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("num_ranks", num_ranks)
+    positive_int("num_microbatches", num_microbatches)
+    positive_int("num_chunks", num_chunks)
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:

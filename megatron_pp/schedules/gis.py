@@ -76,14 +76,13 @@ from dataclasses import dataclass
 
 from megatron_pp.schedules.comm import HOIST_TO_SEND_ONLY_BATCHES, insert_communication
 from megatron_pp.schedules.generators import group_order, looped_placement
-from megatron_pp.schedules.ir import Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import Action, Op, Schedule, ScheduleError, positive_int
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int, num_chunks: int) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
-                        ("num_chunks", num_chunks)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("num_ranks", num_ranks)
+    positive_int("num_microbatches", num_microbatches)
+    positive_int("num_chunks", num_chunks)
 
 
 def min_group_size(num_ranks: int) -> int:

@@ -108,6 +108,14 @@ _WANTED_FIELDS = {op: (op not in _WITHOUT_MICROBATCH, op is not Op.STEP, op in _
 """Op -> whether it carries (microbatch, chunk, peer)."""
 
 
+def positive_int(name: str, value: object) -> int:
+    """`value` if it is an int >= 1 (bool refused: True as a size is a bug upstream), else a ValueError
+    naming it: every generator checks its sizes (ranks, microbatches, chunks, steps) with this."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def _check_index(name: str, value: object) -> None:
     # bool is an int subclass; True as a microbatch index is always a bug upstream.
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:

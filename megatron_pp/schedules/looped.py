@@ -70,19 +70,13 @@ from typing import Mapping, Optional
 
 from megatron_pp.schedules.comm import HOIST_TO_SEND_ONLY_BATCHES
 from megatron_pp.schedules.generators import looped_placement
-from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.ir import Action, Op, Schedule, positive_int
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 
 __all__ = ["looped_bfs", "add_layered_reduction", "depth_first_accumulation", "exposed_reduction"]
 
 # Actions after which a chunk's weight gradient for that microbatch is complete (BI leaves it to BW).
 _WEIGHT_GRAD_OPS = frozenset({Op.B, Op.BW})
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def looped_bfs(num_ranks: int, num_microbatches: int, num_chunks: int,
@@ -94,10 +88,10 @@ def looped_bfs(num_ranks: int, num_microbatches: int, num_chunks: int,
     ValueError when a group holds fewer than p microbatches (every loop would stall) or B does not
     divide m.
     """
-    p = _positive_int("num_ranks", num_ranks)
-    m = _positive_int("num_microbatches", num_microbatches)
-    v = _positive_int("num_chunks", num_chunks)
-    group = m if breadth_first_microbatches is None else _positive_int(
+    p = positive_int("num_ranks", num_ranks)
+    m = positive_int("num_microbatches", num_microbatches)
+    v = positive_int("num_chunks", num_chunks)
+    group = m if breadth_first_microbatches is None else positive_int(
         "--breadth-first-microbatches", breadth_first_microbatches)
     if m % group != 0:
         raise ValueError(f"--breadth-first-microbatches {group} does not divide the {m} microbatches per step "
@@ -140,7 +134,7 @@ def add_layered_reduction(schedule: Schedule, microbatches_per_reduction: int | 
     after every backward of group k on that chunk and before any later group's.
     """
     m = schedule.num_microbatches
-    group = m if microbatches_per_reduction is None else _positive_int(
+    group = m if microbatches_per_reduction is None else positive_int(
         "microbatches_per_reduction", microbatches_per_reduction)
     if any(a.op is Op.REDUCE_GRAD for acts in schedule.actions for a in acts):
         raise ValueError(f"schedule {schedule.name!r} already reduces gradients (it has REDUCE_GRAD actions)")
@@ -167,8 +161,8 @@ def depth_first_accumulation(num_microbatches: int, num_chunks: int) -> Schedule
     chunks 0..v-1 and back before microbatch i+1 starts. With `add_layered_reduction` it models
     overlapped data parallelism (DDP): a chunk's reduction starts during the last microbatch's backward.
     m=2, v=2: F0.0 F0.1 B0.1 B0.0 F1.0 F1.1 B1.1 B1.0."""
-    m = _positive_int("num_microbatches", num_microbatches)
-    v = _positive_int("num_chunks", num_chunks)
+    m = positive_int("num_microbatches", num_microbatches)
+    v = positive_int("num_chunks", num_chunks)
     actions = [Action(op, i, c) for i in range(m)
                for op, c in [(Op.F, c) for c in range(v)] + [(Op.B, c) for c in reversed(range(v))]]
     return Schedule("depth-first", 1, m, v, looped_placement(1, v), [actions], {})

@@ -60,7 +60,7 @@ from typing import Sequence
 
 from megatron_pp.schedules.comm import insert_communication, link_of
 from megatron_pp.schedules.generators import looped_placement
-from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, Action, Op, Schedule, ScheduleError
+from megatron_pp.schedules.ir import COMM_OPS, SEND_OPS, Action, Op, Schedule, ScheduleError, positive_int
 from megatron_pp.schedules.validate import validate
 
 NAME = "2bw"
@@ -86,9 +86,9 @@ class CallKind(str, enum.Enum):
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int, steps: int) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("steps", steps)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("num_ranks", num_ranks)
+    positive_int("num_microbatches", num_microbatches)
+    positive_int("steps", steps)
     if num_microbatches < num_ranks:
         raise ValueError(
             f"2bw needs at least as many microbatches per optimizer step as pipeline stages (m >= p), got "

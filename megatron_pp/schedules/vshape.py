@@ -76,7 +76,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.ir import Action, Op, Schedule, positive_int
 
 CHUNKS_PER_RANK = 2
 """The V places exactly two stages on every rank."""
@@ -100,9 +100,8 @@ def check_chunks(name: str, num_chunks: int) -> None:
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("num_ranks", num_ranks)
+    positive_int("num_microbatches", num_microbatches)
 
 
 class _RankList:

@@ -66,13 +66,12 @@ T_B = 1.5, T_W = 1 (B = 2.5): 38.5, 32.5 and 31 (zb-h2 at its floor (p−1)·T_F
 from __future__ import annotations
 
 from megatron_pp.schedules.generators import looped_placement
-from megatron_pp.schedules.ir import Action, Op, Schedule
+from megatron_pp.schedules.ir import Action, Op, Schedule, positive_int
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("num_ranks", num_ranks)
+    positive_int("num_microbatches", num_microbatches)
 
 
 def _single_chunk(name: str, num_ranks: int, num_microbatches: int, actions: list[list[Action]]) -> Schedule:
@@ -85,11 +84,10 @@ def _compute_actions(num_microbatches: int) -> dict[Op, list[Action]]:
     return {op: [Action(op, i, 0) for i in range(num_microbatches)] for op in (Op.F, Op.BI, Op.BW)}
 
 
-def h1_order(num_ranks: int, num_microbatches: int, rank: int,
-             actions: dict[Op, list[Action]] | None = None) -> list[Action]:
-    """ZB-H1's list for `rank`: 1F1B's warm-up and F/BI pairs, each BW `rank` backwards after its BI."""
+def h1_order(num_ranks: int, num_microbatches: int, rank: int, actions: dict[Op, list[Action]]) -> list[Action]:
+    """ZB-H1's list for `rank`: 1F1B's warm-up and F/BI pairs, each BW `rank` backwards after its BI;
+    `actions` from `_compute_actions`, shared by all ranks."""
     p, m, r = num_ranks, num_microbatches, rank
-    actions = actions or _compute_actions(m)
     F, BI, BW = actions[Op.F], actions[Op.BI], actions[Op.BW]
     warmup = min(p - r - 1, m)
     acts = F[:warmup]

@@ -203,3 +203,34 @@ def test_group_sizes_above_p_build_without_a_replay_when_groups_are_long_enough(
 def test_docs_page_shows_the_generated_1f1b_table():
     page = (Path(__file__).resolve().parents[2] / "docs" / "schedules.md").read_text()
     assert one_f_one_b(4, 8).format_table() in page
+
+
+def _generators():
+    from megatron_pp.schedules import generators, gis, looped, twobw, vshape, zero_bubble
+    return {  # name -> (generator, its sizes in a valid call)
+        "gpipe": (generators.gpipe, {"num_ranks": 2, "num_microbatches": 4}),
+        "1f1b": (generators.one_f_one_b, {"num_ranks": 2, "num_microbatches": 4}),
+        "interleaved-1f1b": (generators.interleaved_1f1b, {"num_ranks": 2, "num_microbatches": 4, "num_chunks": 2}),
+        "gis": (gis.gis, {"num_ranks": 2, "num_microbatches": 4, "num_chunks": 2}),
+        "gis-uniform": (gis.uniform_repeating, {"num_ranks": 2, "num_microbatches": 4, "num_chunks": 2}),
+        "looped-bfs": (looped.looped_bfs, {"num_ranks": 2, "num_microbatches": 4, "num_chunks": 2}),
+        "2bw": (twobw.two_bw, {"num_ranks": 2, "num_microbatches": 4, "steps": 2}),
+        "zb-h1": (zero_bubble.zb_h1, {"num_ranks": 2, "num_microbatches": 4}),
+        "zb-h2": (zero_bubble.zb_h2, {"num_ranks": 2, "num_microbatches": 4}),
+        "zb-v": (vshape.zb_v, {"num_ranks": 2, "num_microbatches": 4}),
+        "v-half": (vshape.v_half, {"num_ranks": 2, "num_microbatches": 4}),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_generators()))
+def test_every_generator_refuses_sizes_that_are_not_positive_ints_naming_the_argument(name):
+    """One check (`ir.positive_int`) for every generator: 0, a negative, a bool and a float are refused for
+    each size with a line that names it, and the smallest size, 1, is accepted where the schedule allows it."""
+    generate, sizes = _generators()[name]
+    assert generate(**sizes).num_ranks == sizes["num_ranks"]
+    for arg in sizes:
+        for bad in (0, -1, True, 2.0):
+            with pytest.raises(ValueError, match=f"^{arg} must be a positive int, got {bad!r}$"):
+                generate(**{**sizes, arg: bad})
+    one = generate(**{**sizes, "num_ranks": 1})
+    assert one.num_ranks == 1 and all(any(a.op.name == "F" for a in acts) for acts in one.actions)
