@@ -26,7 +26,7 @@ from megatron_pp.planning.job import GIB, Cluster, Job, Plan, Prediction  # noqa
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402
 from megatron_pp.planning.planner import DEFAULT_MAX_MICRO_BATCH, Planner, equivalence_key  # noqa: E402
 from megatron_pp.planning.report import (TENSOR_PARALLEL_STATUS, TENSOR_PARALLEL_VALIDATED,  # noqa: E402
-                                         launch_command, launch_flags, summary_row)
+                                         launch_command, summary_row)
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.schedules.schedule_file import register_schedule_file  # noqa: E402
 
