@@ -240,7 +240,9 @@ def run_tests(repo: str, tests: Sequence[str], timeout: float) -> tuple[str, Opt
     seconds = time.monotonic() - start
     if proc.returncode == 0:
         return "passed", None, seconds
-    if proc.returncode in (1, 2):  # test failures, or an import/collection error the mutant caused
+    # Test failures, or an import/collection error the mutant caused: with a test named by node id, a module
+    # that no longer imports leaves pytest nothing to collect, exit 4, with the error it hit beside it.
+    if proc.returncode in (1, 2) or (proc.returncode == 4 and "ERROR collecting" in output):
         lines = output.strip().splitlines()
         return "failed", _failed_test(output) or (lines[-1] if lines else None), seconds
     raise RuntimeError(f"pytest exited {proc.returncode} on {' '.join(tests)}:\n{output[-2000:]}")

@@ -2,6 +2,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import mutation_check  # noqa: E402
@@ -54,3 +56,19 @@ def test_run_on_a_toy_repository_reports_killed_and_survivors(tmp_path, monkeypa
     assert "unexplained" in mutation_check.report(results, {}, "cmd")["survivors"][0]
     fixed = mutation_check.report(results, {results[1]["id"]: {"fixed": "the print was the bug"}}, "cmd")
     assert (fixed["killed"], fixed["non_equivalent"]) == (1, 2) and "fixed" in fixed["survivors"][0]
+
+
+def test_a_mutant_that_breaks_the_import_of_a_test_named_by_node_id_is_killed(tmp_path, monkeypatch):
+    """Dropping a module-level assignment makes the module fail to import; with the covering test given
+    as a node id pytest then exits 4 ("found no collectors"). That is the suite failing, not a bad map."""
+    source = "LIMIT = 3\n\n\ndef limit(x):\n    return x < LIMIT\n"
+    (tmp_path / "toy.py").write_text(source)
+    (tmp_path / "test_toy.py").write_text("from toy import limit\n\n\ndef test_limit():\n    assert limit(2)\n")
+    monkeypatch.setitem(mutation_check.COVERING, "toy.py", ["test_toy.py::test_limit"])
+    drop = next(m for m in mutation_check.mutants_of("toy.py", source) if (m.line, m.operator) == (1, "drop"))
+    results = mutation_check.check(str(tmp_path), [drop], timeout=120, log=lambda _: None)
+    assert results[0]["outcome"] == "failed"
+    # A node id that names no test is still the map's error, reported, not counted as a kill.
+    monkeypatch.setitem(mutation_check.COVERING, "toy.py", ["test_toy.py::test_missing"])
+    with pytest.raises(RuntimeError, match="pytest exited 4"):
+        mutation_check.check(str(tmp_path), [drop], timeout=120, log=lambda _: None)
