@@ -360,7 +360,7 @@ class OffloadStore(ActivationStore):
                 entry.storage.resize_(entry.nbytes)
             else:
                 entry.storage = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
-            record.stash.storages[entry.storage.data_ptr()] = entry.nbytes
+            record.stash.put(entry.storage)
             self.live_bytes += entry.nbytes
 
     def poll(self) -> None:
@@ -372,7 +372,7 @@ class OffloadStore(ActivationStore):
     def _free_parked(self, record: _Record) -> None:
         """Drop (or empty in place) the device storages of `record`'s parked entries: OFFLOADED from now."""
         for entry in record.parked:
-            record.stash.storages.pop(entry.storage.data_ptr(), None)
+            record.stash.drop(entry.storage)
             self.live_bytes -= entry.nbytes
             if entry.in_place:
                 entry.storage.resize_(0)

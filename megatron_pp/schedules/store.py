@@ -39,15 +39,23 @@ class Stash:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if ptr in self.storages:
-            counted = self._alive.get(ptr)
-            if counted is None or counted() is storage:  # the same storage (or one a subclass re-registered)
+            if self._alive[ptr]() is storage:
                 return 0
             # The storage counted at this address was freed, yet stays counted until the stash is released
             # (as the planner counts it); the new one at the same address is more memory, not the same.
             self.freed_bytes += self.storages.pop(ptr)
-        self.storages[ptr] = nbytes
-        self._alive[ptr] = weakref.ref(storage)
+        self.put(storage)
         return nbytes
+
+    def put(self, storage: torch.UntypedStorage) -> None:
+        """Count `storage` at its address (a subclass bringing a moved storage back uses this too)."""
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        self._alive[storage.data_ptr()] = weakref.ref(storage)
+
+    def drop(self, storage: torch.UntypedStorage) -> None:
+        """Stop counting `storage` (a subclass moved it off the device)."""
+        self.storages.pop(storage.data_ptr(), None)
+        self._alive.pop(storage.data_ptr(), None)
 
 
 class ActivationStore:
