@@ -121,19 +121,19 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 def h2_orders(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
     """ZB-H2's lists, read off the unit-slot replay of the module docstring."""
     p, m = num_ranks, num_microbatches
-    never = float("inf")
-    f_done = [[never] * m for _ in range(p)]  # slot at whose end F(i) of rank r is done
-    bi_done = [[never] * m for _ in range(p)]
+    # f_done[r][i]: F(i) of rank r has run. Every rank decides on the state at the start of the slot and the
+    # picks are applied after, so whatever is done is done by the end of an earlier slot: no times are needed.
+    f_done = [[False] * m for _ in range(p)]
+    bi_done = [[False] * m for _ in range(p)]
     nf, nbi, nbw = [0] * p, [0] * p, [0] * p
     acts: list[list[Action]] = [[] for _ in range(p)]
     shared = _compute_actions(m)
-    slot = 0
     while any(n < m for n in nbw):
         picks = []
         for r in range(p):
             i = nbi[r]
-            bi_ready = i < nf[r] and f_done[r][i] <= slot and (r == p - 1 or bi_done[r + 1][i] <= slot)
-            f_ready = nf[r] < m and (r == 0 or f_done[r - 1][nf[r]] <= slot)
+            bi_ready = i < nf[r] and f_done[r][i] and (r == p - 1 or bi_done[r + 1][i])
+            f_ready = nf[r] < m and (r == 0 or f_done[r - 1][nf[r]])
             f_ready = f_ready and nf[r] - nbw[r] < 2 * p - 1
             if bi_ready:
                 picks.append(Op.BI)
@@ -147,16 +147,15 @@ def h2_orders(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
         for r, op in enumerate(picks):
             if op is Op.F:
                 acts[r].append(shared[Op.F][nf[r]])
-                f_done[r][nf[r]] = slot + 1
+                f_done[r][nf[r]] = True
                 nf[r] += 1
             elif op is Op.BI:
                 acts[r].append(shared[Op.BI][nbi[r]])
-                bi_done[r][nbi[r]] = slot + 1
+                bi_done[r][nbi[r]] = True
                 nbi[r] += 1
             elif op is Op.BW:
                 acts[r].append(shared[Op.BW][nbw[r]])
                 nbw[r] += 1
-        slot += 1
     return acts
 
 
