@@ -2,6 +2,7 @@
 the exit path (status 2, one line per problem, no traceback, nothing written)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import subprocess
@@ -89,6 +90,16 @@ BAD = [
     (["--pipeline-schedule", "2bw", "--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy optim is not supported with it"),
 ]
+
+
+def test_generated_flags_carry_their_field_docstring_as_help():
+    # A generated flag's help is the attribute docstring under its TransformerConfig field: its own text,
+    # not its neighbour's, and every generated flag has one.
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert helps["num_layers"] == "Number of transformer layers."
+    assert helps["hidden_size"] == "Width of the residual stream (h)."
+    skipped = {"add_bias_linear", "untie_embeddings_and_output_weights", "params_dtype"}
+    assert all(helps[f.name] for f in dataclasses.fields(TransformerConfig) if f.name not in skipped)
 
 
 @pytest.mark.parametrize("extra,needle", BAD, ids=[b[1][:40] for b in BAD])
@@ -303,3 +314,57 @@ def test_flash_attention_on_a_cpu_exits_2_before_the_model_is_built(monkeypatch,
     assert capsys.readouterr().err.splitlines() == [
         "error: --attention-backend flash needs CUDA (flash-attn has no CPU kernels); "
         "use --attention-backend auto or sdpa"]
+
+
+def test_argument_error_reads_as_its_lines():
+    # Tools that call the parser directly let ArgumentError through: its message must be the lines.
+    from megatron_pp.training.arguments import ArgumentError
+    error = ArgumentError(["--a is bad", "--b is bad"])
+    assert str(error) == "--a is bad; --b is bad" and error.lines == ["--a is bad", "--b is bad"]
+
+
+def test_flags_read_only_at_run_time_parse():
+    # Flags that validation never reads (the runtime does) still have to be declared and keep their value.
+    args = build_parser().parse_args(BASE + ["--distributed-backend", "gloo", "--no-measure-offload-time",
+                                             "--schedule-plugin", "some.module"])
+    assert (args.distributed_backend, args.measure_offload_time, args.schedule_plugin) == ("gloo", False, ["some.module"])
+    assert build_parser().parse_args(BASE).measure_offload_time is None
+    with pytest.raises(Exception, match="--distributed-backend"):
+        build_parser().parse_args(BASE + ["--distributed-backend", "mpi"])
+
+
+def _doc_tables(text):
+    """The flag-group table and the defaults table of docs/training.md's "Arguments" section."""
+    section = text.split("## Arguments and config files", 1)[1].split("\n## ", 1)[0]
+    groups, defaults = {}, {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or cells[0] in ("group", "flag", "---"):
+            continue
+        if cells[0].startswith("`--"):
+            defaults[cells[0].strip("`")] = cells[1]
+        else:
+            groups[cells[0]] = [w.strip("`,") for w in cells[1].split() if w.startswith("`--")]
+    return groups, defaults
+
+
+def test_documented_flags_and_defaults_are_the_parsers():
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        groups, defaults = _doc_tables(f.read())
+    parser = build_parser()
+    by_flag = {o: a for a in parser._actions for o in a.option_strings}
+    documented = [flag for flags in groups.values() for flag in flags]
+    assert len(documented) > 60 and len(defaults) > 20
+    assert [f for f in documented if f not in by_flag] == []
+    for name, text in defaults.items():
+        default = by_flag[name].default
+        if isinstance(default, str):
+            assert text == default, name
+        elif default is None:  # derived after parsing: the table says from what
+            assert not text[0].isdigit(), name
+        else:
+            assert float(text.split()[0]) == default, name
+    # Every flag with a non-trivial default is in the table.
+    in_table = {a.option_strings[0] for a in parser._actions
+                if a.default not in (None, False, [], argparse.SUPPRESS) and a.option_strings}
+    assert in_table <= set(defaults), sorted(in_table - set(defaults))
