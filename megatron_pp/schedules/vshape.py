@@ -25,14 +25,16 @@ units, T_F, T_B (= BI), T_W (= BW) of one chunk.
   squeezes the repeats at warm-up and cool-down. We keep that budget, `v_half_budget(p)` = 2⌈(p+2)/2⌉
   chunk stashes, and read the order off a replay in unit slots (T_F = T_B = T_W = 1) instead: in each
   slot every rank runs, by priority, its next BI whose output gradient is in; else its next F whose input
-  is in, if memory admits it; else its oldest waiting BW (oldest microbatch first, chunk 1 at a tie). A
+  is in, if memory admits it; else its oldest waiting BW (BIs and Fs oldest microbatch first, chunk 1
+  at a tie; BWs chunk 0 at a tie). A
   stash counts from its F to its BW. An F is admitted only while the rank stays within the budget, and
   a chunk-0 F also keeps a slot free for the chunk-1 forward of every chunk-0 stash still waiting for
   one, itself included (at most 2 + ⌊r/2⌋ of them on rank r until its first chunk-0 BI,
-  `_warmup_reserve`): chunk-0 stashes never fill a rank, and chunk 1's need no chunk-0 work, so the
-  replay cannot stall, for any m ≥ 1. Every rank decides on the slot's starting state and the picks are
-  applied after, as in ZB-H2's replay (schedules/zero_bubble.py). At T_F = T_B = T_W and m ≥ 2p each rank
-  idles 7 time units at p = 4 and 21 at p = 8, against 1F1B's 6(p−1) = 18 and 42 (0.39 and 0.50 of it;
+  `_warmup_reserve`): chunk-0 stashes never fill a rank, and chunk 1's are freed without any chunk-0
+  backward, so the replay does not stall (checked for every p ≤ 16, m ≤ 4p + 3; any m ≥ 1 is
+  accepted). Every rank decides on the slot's starting state and the picks are applied after, as in
+  ZB-H2's replay (schedules/zero_bubble.py). At T_F = T_B = T_W and m ≥ 2p each rank idles 7 time
+  units at p = 4 and 21 at p = 8, against 1F1B's 6(p−1) = 18 and 42 (0.39 and 0.50 of it;
   at most 0.55 for p = 2..8), and every rank peaks at the budget, 6 and 10 chunk stashes (1F1B: 8 and
   16 on rank 0); all tested. The order is derived at equal times and its steady state runs at the
   budget with no slack, so with unequal T_F, T_B, T_W (e.g. BI 1.2, BW 0.8 × F) its idle time grows
@@ -201,7 +203,8 @@ def v_half_orders(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
         for r in range(p):
             picks.append(_pick(r, m, cap, stage, f_done, bi_done, nf[r], nbi[r], nbw[r]))
         if not any(picks):
-            # Unreachable: chunk-0 forwards always leave a slot to chunk 1, whose stashes need no chunk-0 work.
+            # Not reached for any p <= 16, m <= 4p + 3 (nor p = 24, 32): a chunk-0 forward always leaves a slot
+            # free, and a chunk-1 stash is freed without any chunk-0 backward. Kept so a stall raises, never hangs.
             raise RuntimeError(f"v-half replay stalled at p={p}, m={m}")
         for r, pick in enumerate(picks):
             if pick is None:
