@@ -177,9 +177,10 @@ def _warmup_reserve(rank: int) -> int:
     Keeping one slot for every chunk-0 stash still waiting for its chunk-1 forward leaves rank 0 idle for
     most of the first round trip (5 forwards in the first 15 slots at p = 8, budget 10), though its chunk-1
     stashes live 3 slots. On rank r a chunk-1 stash lives at least 2r + 3 (r forwards to the loss stage,
-    r + 1 BIs back, its BW), hence a reserve growing with r. 2 + ⌊r/2⌋ was picked by simulation, the
-    lowest idle time over p = 2..10, m ≥ 2p among the rules tried (1, 2, r + 1, 1 + ⌊(r+1)/2⌋, 2 + ⌊r/3⌋,
-    3 + ⌊r/2⌋, no cap); tests/schedules/test_vshape.py pins what it gives, not the rule."""
+    r + 1 BIs back, its BW), hence a reserve growing with r. 2 + ⌊r/2⌋ was picked by simulation: the
+    lowest worst idle time over p = 2..10, m ∈ {2p, 2p + 1, 3p, 4p, 6p} among the rules tried (1, 2,
+    r + 1, 1 + ⌊(r+1)/2⌋, 2 + ⌊r/3⌋, 3 + ⌊r/2⌋, no cap); tests/schedules/test_vshape.py pins what it
+    gives, not the rule."""
     return 2 + rank // 2
 
 

@@ -102,10 +102,11 @@ def _list_peak(actions):
 
 
 @pytest.mark.parametrize("p, m, idle, peak", [(4, 8, 7, 6), (4, 9, 7, 6), (4, 16, 7, 6), (4, 32, 7, 6),
-                                              (8, 16, 21, 10), (8, 17, 21, 10), (8, 32, 21, 10)])
+                                              (8, 16, 21, 10), (8, 17, 21, 10), (8, 32, 21, 10), (10, 20, 27, 12)])
 def test_v_half_pinned_bubble_and_memory_at_equal_costs(p, m, idle, peak):
     """The documented numbers (ours): idle per rank 7 at p = 4 and 21 at p = 8 (1F1B: 18 and 42), every
-    rank at the paper's V-Half memory, ceil((p+2)/2) full stashes = 6 and 10 chunk stashes."""
+    rank at the paper's V-Half memory, ceil((p+2)/2) full stashes = 6 and 10 chunk stashes. p = 10 (27,
+    1F1B 54) is where the warm-up reserve's growth with the rank shows (2 + r // 3 gives 29 there)."""
     r = simulate(build_schedule("v-half", p, m, 2))
     assert (_idle(r, 6 * m), r.peak_stash) == (idle, [peak] * p)
     assert _one_f_one_b_idle(p, m) == 6 * (p - 1)
