@@ -317,5 +317,5 @@ register_schedule("zb-v", _v_shape(zb_v, "zb-v"), supports_virtual=True, chunks_
                   description="ZB-V: two chunks per rank in V placement (stages r and 2p-1-r on rank r), split "
                               "backward; 1F1B's peak memory (2p chunk stashes), idle (p-1) T_F per rank")
 register_schedule("v-half", _v_shape(v_half, "v-half"), supports_virtual=True, chunks_per_rank=CHUNKS_PER_RANK,
-                  description="V-shape building block repeated per microbatch: about half of 1F1B's peak memory, "
-                              "bubble between ZB-V's and 1F1B's; assumes equal F, BI and BW times")
+                  description="V placement within the V-Half memory (2*ceil((p+2)/2) chunk stashes, 1F1B: 2p): "
+                              "about half of 1F1B's idle time; assumes equal F, BI and BW times")

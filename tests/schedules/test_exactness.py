@@ -462,6 +462,7 @@ VSHAPE_WORLD4 = [
     ("gpt-tiny", 8, 1, 4, "zb-v", 8, 2, {}),
     ("llama-tiny", 8, 1, 4, "v-half", 8, 2, {}),
     ("gpt-tiny", 8, 1, 4, "zb-v", 8, 2, {"offload_chunks": 1}),
+    ("gpt-tiny", 8, 1, 4, "v-half", 8, 2, {"offload_chunks": 1}),
     ("gpt-tiny", 4, 2, 2, "zb-v", 4, 2, {}),  # tp = 2
     ("llama-tiny", 4, 2, 2, "v-half", 4, 2, {}),  # tp = 2
     ("gpt-tiny", 4, 1, 2, "v-half", 4, 2, {}),  # dp = 2
