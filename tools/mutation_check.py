@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 
 EDGES = "tests/training/test_exactness_edges.py"
+SAFETY = "tests/reliability/test_safety.py"
 SIZES = "tests/schedules/test_generators.py::test_every_generator_refuses_sizes_that_are_not_positive_ints_naming_the_argument"
 # Module -> the tests that cover it (pytest arguments: files or node ids).
 COVERING: dict[str, list[str]] = {
@@ -90,7 +91,9 @@ COVERING: dict[str, list[str]] = {
                                         "tests/training/test_evaluation.py",
                                         EDGES],
     "megatron_pp/training/arguments.py": ["tests/training/test_arguments.py",
-                                          "tests/training/test_argument_properties.py"],
+                                          "tests/training/test_argument_properties.py",
+                                          f"{SAFETY}::test_config_files_cannot_send_outputs_outside_the_run_directory",
+                                          f"{SAFETY}::test_relative_outputs_in_config_files_and_any_path_on_the_command_line_are_fine"],
     "megatron_pp/training/checkpointing.py": ["tests/training/test_checkpointing.py"],
     "megatron_pp/data/gpt_dataset.py": ["tests/data/test_gpt_dataset.py"],
     "megatron_pp/data/blend.py": ["tests/data/test_blend.py"],

@@ -368,3 +368,14 @@ def test_documented_flags_and_defaults_are_the_parsers():
     in_table = {a.option_strings[0] for a in parser._actions
                 if a.default not in (None, False, [], argparse.SUPPRESS) and a.option_strings}
     assert in_table <= set(defaults), sorted(in_table - set(defaults))
+
+
+def test_config_file_false_switches_off_an_on_off_flag_that_has_a_no_form(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("measure-offload-time: false\nsequence-parallel: false\n")
+    parser = build_parser()
+    argv = expand_config_file(parser, ["--config", str(config)])
+    assert "--no-measure-offload-time" in argv and "--sequence-parallel" not in argv
+    assert parser.parse_args(BASE + argv).measure_offload_time is False
+    error = ConfigFileError(["a", "b"])
+    assert str(error) == "a; b" and error.lines == ["a", "b"]
