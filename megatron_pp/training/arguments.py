@@ -855,6 +855,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,
         errors += _check_this_machine(args, config)
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
+    # One line per problem: the layer split and the schedule both read the virtual-stage flags, so a bad
+    # value there is found twice.
+    errors = list(dict.fromkeys(errors))
     if not errors:
         errors += _check_lr_schedule(args)
     return errors

@@ -180,6 +180,7 @@ def test_config_file_equals_the_command_line_and_the_command_line_wins(tmp_path)
     ("mock-data: 1\n", ["mock-data must be true or false"]),
     ("lr: [0.1, 0.2]\n", ["lr takes one value, got a list"]),
     ("config: other.yaml\n", ["unknown key 'config'"]),
+    ("lr: {peak: 0.1}\n", ["lr takes a value, got a mapping"]),
 ])
 def test_bad_config_files(tmp_path, text, needle):
     config = tmp_path / "bad.yaml"
@@ -379,3 +380,25 @@ def test_config_file_false_switches_off_an_on_off_flag_that_has_a_no_form(tmp_pa
     assert parser.parse_args(BASE + argv).measure_offload_time is False
     error = ConfigFileError(["a", "b"])
     assert str(error) == "a; b" and error.lines == ["a", "b"]
+
+
+def test_model_config_takes_precision_flash_and_the_tokenizers_vocabulary():
+    import torch
+
+    from megatron_pp.training.arguments import model_config_from_args
+    parse = build_parser().parse_args
+    assert model_config_from_args(parse(BASE)).params_dtype == torch.float32
+    assert model_config_from_args(parse(BASE + ["--bf16"])).params_dtype == torch.bfloat16
+    assert model_config_from_args(parse(BASE + ["--fp16"])).params_dtype == torch.float16
+    assert model_config_from_args(parse(BASE + ["--use-flash-attn"])).attention_backend == "flash"
+    assert model_config_from_args(parse(BASE + ["--vocab-size", "512"]), vocab_size=777).vocab_size == 777
+
+
+@pytest.mark.parametrize("flag_name", ["--num-virtual-stages-per-pipeline-rank",
+                                       "--num-layers-per-virtual-pipeline-stage"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_virtual_stage_counts_below_one_are_refused_naming_the_flag(flag_name, value):
+    args = build_parser().parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                             "--pipeline-schedule", "interleaved-1f1b", flag_name, value])
+    errors = validate_args(args, world_size=2)
+    assert len(errors) == 1 and flag_name in errors[0], errors
