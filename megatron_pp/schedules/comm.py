@@ -47,12 +47,13 @@ def expected_peer(schedule: Schedule, rank: int, action: Action) -> int | None:
     return next_rank if action.op is Op.SEND_F or action.op is Op.RECV_B else prev_rank
 
 
-_PRODUCER_OFFSET = {Op.SEND_F: ("F", 0), Op.SEND_B: ("B", 0), Op.RECV_F: ("F", -1), Op.RECV_B: ("B", 1)}
+PRODUCER_OFFSET = {Op.SEND_F: ("F", 0), Op.SEND_B: ("B", 0), Op.RECV_F: ("F", -1), Op.RECV_B: ("B", 1)}
+"""Communication op -> (kind of its `Message`, producing stage relative to the stage of the action's chunk)."""
 
 
 def message_of(schedule: Schedule, rank: int, action: Action) -> Message:
     """The message a communication action sends or receives, named the same way on both ends."""
-    kind, offset = _PRODUCER_OFFSET[action.op]
+    kind, offset = PRODUCER_OFFSET[action.op]
     return kind, action.microbatch, schedule.stage_of(rank, action.chunk) + offset
 
 
@@ -63,30 +64,44 @@ def link_of(rank: int, action: Action) -> Link:
     return (rank, action.peer) if action.op in SEND_OPS else (action.peer, rank)
 
 
-Slot = tuple[Link, bool, int]
-"""Where a communication action sits on its link: (link, is it the sending side, position on that side)."""
+Side = tuple[int, int, int, bool]
+"""Where a communication action sits on its link, in numbers for the replays' inner loops: (its side of the
+link: 2l sends on link l and 2l+1 receives, links numbered in order of first appearance, so a side's
+partner is `side ^ 1`; its position k on that side; the rank at the other end; whether it is a pipeline
+transfer, which batches with its neighbours, rather than a parking one, a batch of its own)."""
+
+# Op -> whether it is the sending side of its link, for the ops `link_sides` places on a link.
+_PIPELINE_SIDES = {op: op in SEND_OPS for op in COMM_OPS}
+_ALL_SIDES = {**_PIPELINE_SIDES, **{op: op in PARKING_SENDS for op in PARTNER_OP}}
 
 
-def link_slots(actions: list[list[Action]], parking: bool = False) -> list[list[Slot | None]]:
-    """Per rank and action, its `Slot` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
-    LOAD and RETURN get slots on their parking links too). The k-th send and the k-th receive on a link
-    are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
-    slots: list[list[Slot | None]] = []
+def link_sides(actions: list[list[Action]], parking: bool = False) -> tuple[list[list[Side | None]], int]:
+    """Per rank and action, its `Side` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
+    LOAD and RETURN get sides on their parking links too), and the number of links. The k-th send and the
+    k-th receive on a link are partners: NCCL and gloo match point-to-point messages between two ranks in
+    posting order."""
+    sending = _ALL_SIDES if parking else _PIPELINE_SIDES
+    link_ids: dict[Link, int] = {}
+    sides: list[list[Side | None]] = []
     for rank, acts in enumerate(actions):
-        seen: dict[tuple[Link, bool], int] = {}
-        row: list[Slot | None] = []
+        # (peer, op) -> [side, messages so far, peer, pipeline?]: on one rank, an op and a peer name the link.
+        seen: dict[tuple[int, Op], list] = {}
+        row: list[Side | None] = []
         for a in acts:
-            op = a.op
-            if op in COMM_OPS or (parking and op in PARTNER_OP):
-                is_send = op in SEND_OPS or op in PARKING_SENDS
-                key = (link_of(rank, a), is_send)
-                k = seen.get(key, 0)
-                seen[key] = k + 1
-                row.append((key[0], is_send, k))
-            else:
+            is_send = sending.get(a.op)
+            if is_send is None:
                 row.append(None)
-        slots.append(row)
-    return slots
+                continue
+            entry = seen.get((a.peer, a.op))
+            if entry is None:
+                side = 2 * link_ids.setdefault(link_of(rank, a), len(link_ids)) + (not is_send)
+                # Ops on the same side of the same link (SEND_F and SEND_B) share one counter.
+                entry = next((e for e in seen.values() if e[0] == side), None) or [side, 0, a.peer, a.op in COMM_OPS]
+                seen[a.peer, a.op] = entry
+            row.append((entry[0], entry[1], entry[2], entry[3]))
+            entry[1] += 1
+        sides.append(row)
+    return sides, len(link_ids)
 
 
 @dataclass(frozen=True)
@@ -149,17 +164,18 @@ class RendezvousReplay:
     def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False, parking: bool = False):
         self.actions = actions
         self.prefer_send_only_batches = prefer_send_only_batches
-        self.slots = link_slots(actions, parking)
-        self._slot_index: dict[int, dict[Slot, int]] = {}  # per rank, built when a roll-back needs it
+        self._sides, num_links = link_sides(actions, parking)
+        # How many actions each side of each link has posted, indexed by side: the hot loop indexes a list
+        # instead of hashing (link, is_send) keys.
+        self._posted = [0] * (2 * num_links)
+        self._side_index: dict[int, dict[tuple[int, int], int]] = {}  # per rank, built when a roll-back needs it
         self.pos = [0] * len(actions)
         self.batch_end: list[int | None] = [None] * len(actions)
-        self.posted: dict[tuple[Link, bool], int] = defaultdict(int)
         self.wakeups = Wakeups(len(actions))
         self.work = 0
 
-    def _matched(self, slot: Slot) -> bool:
-        link, is_send, k = slot
-        return self.posted[link, not is_send] > k
+    def _matched(self, side: Side) -> bool:
+        return self._posted[side[0] ^ 1] > side[1]
 
     def run(self) -> list[Blocked]:
         """Advance every rank as far as possible; return the blocked ranks (empty when all finished)."""
@@ -167,11 +183,45 @@ class RendezvousReplay:
 
     def settle(self) -> bool:
         """Advance every rank as far as possible; True when every rank reached the end of its list."""
-        while (rank := self.wakeups.next()) is not None:
-            self._advance(rank)
-        self.wakeups.restart()
-        self.work += len(self.actions)
-        return all(self.pos[rank] == len(acts) for rank, acts in enumerate(self.actions))
+        actions, all_sides, posted, batch_end, pos = self.actions, self._sides, self._posted, self.batch_end, self.pos
+        wakeups = self.wakeups
+        queued, wake = wakeups._queued, wakeups.wake
+        work = 0
+        # Advance each rank the wake-ups name as far as it goes: post a batch (waking the peers), leave it
+        # once every member's partner is posted, run what follows; stop in a batch that still waits.
+        while (rank := wakeups.next()) is not None:
+            sides = all_sides[rank]
+            i, n = pos[rank], len(sides)
+            work += 1
+            while i < n:
+                if sides[i] is None:
+                    i += 1
+                    continue
+                end = batch_end[rank]
+                if end is None:
+                    end = i
+                    while end < n and (side := sides[end]) is not None:
+                        posted[side[0]] += 1
+                        if not queued[side[2]]:
+                            wake(side[2])
+                        end += 1
+                        # A parking action (with `parking`) is a batch of its own.
+                        if not side[3] or (end < n and sides[end] is not None and not sides[end][3]):
+                            break
+                    batch_end[rank] = end
+                for j in range(i, end):
+                    work += 1
+                    side = sides[j]
+                    if posted[side[0] ^ 1] <= side[1]:
+                        break
+                else:
+                    i, batch_end[rank] = end, None
+                    continue
+                break
+            pos[rank] = i
+        wakeups.restart()
+        self.work += work + len(actions)
+        return all(pos[rank] == len(acts) for rank, acts in enumerate(actions))
 
     def blocked(self) -> list[Blocked]:
         """The ranks that have not reached the end of their list, each with what it waits for."""
@@ -181,7 +231,7 @@ class RendezvousReplay:
         """Rewrite part of some lists and go on from the current state instead of replaying from scratch.
 
         `changed[rank] = (start, window)` puts `window` in place of as many actions from `start` on: the
-        same actions reordered, each keeping its place on its link (its `Slot`), as when BPipe moves an
+        same actions reordered, each keeping its place on its link (its `Side`), as when BPipe moves an
         acceptor's hosting action past others. Exact: a replay's end state does not depend on the order
         ranks advance in (postings only grow, and a rank's progress only grows with them), so settling from
         any state that the new lists can reach ends where a fresh replay would. Such a state is made by
@@ -201,13 +251,13 @@ class RendezvousReplay:
             self._roll_back(rank, at, undo)
         for rank, (start, window) in changed.items():
             end = start + len(window)
-            acts, slots = self.actions[rank], self.slots[rank]
-            slot_of = dict(zip(acts[start:end], slots[start:end]))
+            acts, sides = self.actions[rank], self._sides[rank]
+            side_of = dict(zip(acts[start:end], sides[start:end]))
             acts[start:end] = window
-            slots[start:end] = [slot_of[a] for a in window]
-            index = self._slot_index.get(rank)
+            sides[start:end] = [side_of[a] for a in window]
+            index = self._side_index.get(rank)
             if index is not None:
-                index.update((slots[j], j) for j in range(start, end) if slots[j] is not None)
+                index.update((sides[j][:2], j) for j in range(start, end) if sides[j] is not None)
             self.work += len(window)
             self.wakeups.wake(rank)
 
@@ -219,8 +269,8 @@ class RendezvousReplay:
     def _batch_start(self, rank: int, index: int) -> int:
         """The start of the run of pipeline transfers just before `index` (`index` where there is none): the
         batch that holds it, or one that a changed action at `index` could join; at most one batch early."""
-        acts, slots = self.actions[rank], self.slots[rank]
-        while index > 0 and slots[index - 1] is not None and acts[index - 1].op in COMM_OPS:
+        sides = self._sides[rank]
+        while index > 0 and sides[index - 1] is not None and sides[index - 1][3]:
             index -= 1
             self.work += 1
         return index
@@ -231,61 +281,32 @@ class RendezvousReplay:
         end = self._posted_end(rank)
         if start >= end and start >= self.pos[rank]:
             return
-        slots = self.slots[rank]
+        sides = self._sides[rank]
         for j in range(start, end):
             self.work += 1
-            if slots[j] is None:
+            side = sides[j]
+            if side is None:
                 continue
-            link, is_send, k = slots[j]
-            self.posted[link, is_send] -= 1  # the rank's latest on this link: it posts in list order
-            if self.posted[link, not is_send] > k:  # the peer posted the partner and may be past it
-                peer = link[1] if is_send else link[0]
-                index = self._index_of(peer)[link, not is_send, k]
+            self._posted[side[0]] -= 1  # the rank's latest on this link: it posts in list order
+            if self._matched(side):  # the peer posted the partner and may be past it
+                peer = side[2]
+                index = self._index_of(peer)[side[0] ^ 1, side[1]]
                 if index < self.pos[peer]:
                     undo.append((peer, self._batch_start(peer, index)))
         self.pos[rank], self.batch_end[rank] = start, None
         self.wakeups.wake(rank)
 
-    def _index_of(self, rank: int) -> dict[Slot, int]:
-        if rank not in self._slot_index:
-            self._slot_index[rank] = {slot: j for j, slot in enumerate(self.slots[rank]) if slot is not None}
-            self.work += len(self.slots[rank])
-        return self._slot_index[rank]
-
-    def _advance(self, rank: int) -> None:
-        acts, slots, posted, batch_end = self.actions[rank], self.slots[rank], self.posted, self.batch_end
-        i, n = self.pos[rank], len(acts)
-        work = 1
-        while i < n:
-            if slots[i] is None:
-                i += 1
-                continue
-            end = batch_end[rank]
-            if end is None:
-                end = i
-                while end < n and slots[end] is not None:
-                    link, is_send, _ = slots[end]
-                    posted[link, is_send] += 1
-                    self.wakeups.wake(link[1] if is_send else link[0])
-                    end += 1
-                    if acts[end - 1].op not in COMM_OPS or (end < n and acts[end].op not in COMM_OPS):
-                        break  # a parking action (with `parking`) is a batch of its own
-                batch_end[rank] = end
-            for j in range(i, end):
-                work += 1
-                link, is_send, k = slots[j]
-                if posted[link, not is_send] <= k:
-                    self.pos[rank] = i
-                    self.work += work
-                    return
-            i, batch_end[rank] = end, None
-        self.pos[rank] = i
-        self.work += work
+    def _index_of(self, rank: int) -> dict[tuple[int, int], int]:
+        """(side, position on it) -> index in `rank`'s list."""
+        if rank not in self._side_index:
+            self._side_index[rank] = {side[:2]: j for j, side in enumerate(self._sides[rank]) if side is not None}
+            self.work += len(self._sides[rank])
+        return self._side_index[rank]
 
     def _blocked(self, rank: int) -> Blocked:
         i, end = self.pos[rank], self.batch_end[rank]
         waiting = tuple((j, self.actions[rank][j]) for j in range(i, end)
-                        if not self._matched(self.slots[rank][j]))
+                        if not self._matched(self._sides[rank][j]))
         return Blocked(rank, i, waiting)
 
     def _blocked_sends(self):
@@ -297,7 +318,8 @@ class RendezvousReplay:
             if end is None:
                 continue
             for j in range(self.pos[rank], end):
-                if self.slots[rank][j][1] and not self._matched(self.slots[rank][j]):
+                side = self._sides[rank][j]
+                if side[0] % 2 == 0 and not self._matched(side):
                     yield rank, j
 
     def hoist_receive(self) -> bool:
@@ -326,22 +348,22 @@ class RendezvousReplay:
             rank, index = next((c for c in (first, *candidates)
                                 if not self._batch_receives(self.actions[c[0]][c[1]].peer)), first)
         peer = self.actions[rank][index].peer
-        link, _, k = self.slots[rank][index]
-        peer_acts, peer_slots = self.actions[peer], self.slots[peer]
+        sent, k, _, _ = self._sides[rank][index]
+        peer_acts, peer_sides = self.actions[peer], self._sides[peer]
         end = self.batch_end[peer]
-        j = peer_slots.index((link, False, k), end)  # not posted yet, so after the peer's batch
+        j = peer_sides.index((sent ^ 1, k, rank, True), end)  # not posted yet, so after the peer's batch
         # Rotate [end, j] by one in place: the work is the distance moved, not the list's length.
-        peer_acts[end:j + 1] = [peer_acts[j]] + peer_acts[end:j]
-        peer_slots[end:j + 1] = [peer_slots[j]] + peer_slots[end:j]
+        for seq in (peer_acts, peer_sides):
+            seq[end:j + 1] = [seq[j]] + seq[end:j]
         self.batch_end[peer] = end + 1
-        self.posted[link, False] += 1
+        self._posted[sent ^ 1] += 1
         self.wakeups.wake(rank)
         self.wakeups.wake(peer)
         return True
 
     def _batch_receives(self, rank: int) -> bool:
         """Whether the batch `rank` is blocked in holds a receive."""
-        return any(not self.slots[rank][i][1] for i in range(self.pos[rank], self.batch_end[rank]))
+        return any(self._sides[rank][i][0] % 2 for i in range(self.pos[rank], self.batch_end[rank]))
 
 
 def insert_communication(schedule: Schedule) -> Schedule:

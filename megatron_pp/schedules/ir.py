@@ -137,10 +137,17 @@ class Action:
         if type(op) is not Op:
             op = Op(op)
             object.__setattr__(self, "op", op)
-        # Built hundreds of thousands of times for a large schedule: one table lookup per field instead of
-        # set tests, and the full check only for a value that is not a plain non-negative int.
-        for name, wanted, value in zip(("microbatch", "chunk", "peer"), _WANTED_FIELDS[op],
-                                       (self.microbatch, self.chunk, self.peer)):
+        # Built hundreds of thousands of times for a large schedule: one table lookup, the usual case (each
+        # field a plain non-negative int exactly where the op wants one, no version) settled in one test, and
+        # the field-by-field checks, with their messages, only when it fails.
+        microbatch, chunk, peer = self.microbatch, self.chunk, self.peer
+        wants = wants_microbatch, wants_chunk, wants_peer = _WANTED_FIELDS[op]
+        if (((type(microbatch) is int and microbatch >= 0) if wants_microbatch else microbatch is None)
+                and ((type(chunk) is int and chunk >= 0) if wants_chunk else chunk is None)
+                and ((type(peer) is int and peer >= 0) if wants_peer else peer is None)
+                and self.version is None):
+            return
+        for name, wanted, value in zip(("microbatch", "chunk", "peer"), wants, (microbatch, chunk, peer)):
             if value is None:
                 if wanted:
                     raise ValueError(f"{op.value} needs a {name}")
