@@ -366,6 +366,16 @@ class RendezvousReplay:
         return any(self._sides[rank][i][0] % 2 for i in range(self.pos[rank], self.batch_end[rank]))
 
 
+_INSERTED_OPS = COMM_OPS | HOSTING_OPS
+"""What `insert_communication` adds, so what its input must not hold."""
+
+
+def _receive(message: Message, chunk: int, source: int) -> Action:
+    """The RECV of `message` from rank `source` for the consumer on local `chunk`."""
+    kind, microbatch, _ = message
+    return Action(Op.RECV_F if kind == "F" else Op.RECV_B, microbatch, chunk, source)
+
+
 def insert_communication(schedule: Schedule) -> Schedule:
     """Return a copy of a compute-only `schedule` with SEND_*/RECV_* actions inserted (see module docstring).
 
@@ -373,32 +383,36 @@ def insert_communication(schedule: Schedule) -> Schedule:
     itself deadlocks (some rank waits for data that can only come after it proceeds).
     """
     p = schedule.num_ranks
+    parking = False  # whether some rank parks stashes on a partner (BPipe), whose side `add_hosting` adds
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
-            if a.op in COMM_OPS or a.op in HOSTING_OPS:
+            if a.op in _INSERTED_OPS:
                 raise ScheduleError(f"rank {rank}, action {i} ({a}): schedule {schedule.name!r} already has "
                                     "communication; insert_communication expects compute-only lists")
-    sends_after: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
+            parking = parking or a.op in PARTNER_OP
+    sends_after: list[dict[int, Action]] = [{} for _ in range(p)]  # a compute sends to one rank at most
     # Per link, in the sender's order: (message, index of its producer in the sender's compute list).
     sent: dict[Link, list[tuple[Message, int]]] = defaultdict(list)
-    # Receiving side: message -> (index of its consumer in the compute list, the RECV action).
-    wanted: dict[Link, dict[Message, tuple[int, Action]]] = defaultdict(dict)
+    # Receiving side: message -> (index of its consumer in the compute list, its chunk); the RECV action is
+    # made where it is placed.
+    wanted: dict[Link, dict[Message, tuple[int, int]]] = defaultdict(dict)
     for rank, acts in enumerate(schedule.actions):
+        chunks: dict[int, tuple[int | None, int | None, int]] = {}  # chunk -> (prev rank, next rank, stage)
         for i, a in enumerate(acts):
             if a.op is Op.F:
-                kind, recv_op, send_op, towards = "F", Op.RECV_F, Op.SEND_F, 1
+                kind, send_op, towards = "F", Op.SEND_F, 1
             elif a.op is Op.B or a.op is Op.BI:  # BI produces the input gradient; BW sends nothing
-                kind, recv_op, send_op, towards = "B", Op.RECV_B, Op.SEND_B, -1
+                kind, send_op, towards = "B", Op.SEND_B, -1
             else:
                 continue
-            prev_rank, next_rank = schedule.neighbour_ranks(rank, a.chunk)
+            if a.chunk not in chunks:
+                chunks[a.chunk] = (*schedule.neighbour_ranks(rank, a.chunk), schedule.stage_of(rank, a.chunk))
+            prev_rank, next_rank, stage = chunks[a.chunk]
             source, target = (prev_rank, next_rank) if towards == 1 else (next_rank, prev_rank)
-            stage = schedule.stage_of(rank, a.chunk)
             if source is not None:  # message named as in `message_of`: the stage that produced it
-                wanted[source, rank][kind, a.microbatch, stage - towards] = (i, Action(recv_op, a.microbatch,
-                                                                                        a.chunk, source))
+                wanted[source, rank][kind, a.microbatch, stage - towards] = (i, a.chunk)
             if target is not None:
-                sends_after[rank][i].append(Action(send_op, a.microbatch, a.chunk, target))
+                sends_after[rank][i] = Action(send_op, a.microbatch, a.chunk, target)
                 sent[rank, target].append(((kind, a.microbatch, stage), i))
 
     recvs_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
@@ -410,34 +424,34 @@ def insert_communication(schedule: Schedule) -> Schedule:
                 raise ScheduleError(f"rank {src}, action {i} ({schedule.actions[src][i]}): its result goes to rank "
                                     f"{dst}, which never runs the action that consumes it")
         produced = {message for message, _ in order}
-        for message, (i, recv) in needs.items():
+        for message, (i, chunk) in needs.items():
             if message not in produced:
-                raise ScheduleError(f"rank {dst}, action {i} ({schedule.actions[dst][i]}): needs {recv}, but rank "
-                                    f"{src} never produces that message")
+                raise ScheduleError(f"rank {dst}, action {i} ({schedule.actions[dst][i]}): needs "
+                                    f"{_receive(message, chunk, src)}, but rank {src} never produces that message")
         # Receive in the sender's order: a message consumed late is received no later than any message the
         # sender posts after it (suffix minimum of the consumer positions).
-        placed: list[tuple[int, Action]] = []
-        latest = None
-        for message, _ in reversed(order):
-            consumer, recv = needs[message]
-            latest = consumer if latest is None else min(latest, consumer)
-            placed.append((latest, recv))
-        for at, recv in reversed(placed):
-            recvs_before[dst][at].append(recv)
+        at = [needs[message][0] for message, _ in order]
+        for k in range(len(at) - 2, -1, -1):
+            at[k] = min(at[k], at[k + 1])
+        for (message, _), consumer_at in zip(order, at):
+            recvs_before[dst][consumer_at].append(_receive(message, needs[message][1], src))
 
     lists: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):
         out: list[Action] = []
         sends: list[Action] = []
+        receives, sends_of = recvs_before[rank], sends_after[rank]
         for i, a in enumerate(acts):
             # Stash transfers issued after a compute go before its sends, so that they never split the
             # batch of those sends with the next compute's receives (the pairing that avoids deadlocks).
             if a.op not in SIDE_OPS:
                 out += sends
                 sends = []
-            out += recvs_before[rank].get(i, [])
+            if i in receives:
+                out += receives[i]
             out.append(a)
-            sends += sends_after[rank].get(i, [])
+            if i in sends_of:
+                sends.append(sends_of[i])
         lists.append(out + sends)
 
     replay = RendezvousReplay(lists, bool(schedule.options.get(HOIST_TO_SEND_ONLY_BATCHES)))
@@ -446,7 +460,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
                                 + "; ".join(b.describe() for b in replay.blocked()))
     with_comm = dataclasses.replace(schedule, actions=lists)
-    if any(a.op in PARTNER_OP for acts in lists for a in acts):
+    if parking:
         from megatron_pp.schedules.bpipe import add_hosting  # the acceptor's side of BPipe's parking
 
         with_comm = add_hosting(with_comm)

@@ -238,10 +238,13 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         i, n = pos[rank], len(acts)
         while i < n:
             if sides[i] is None:
-                if not _run_local(schedule, rank, i, acts[i], durations, states):
+                action = acts[i]
+                if action.op in COMPUTE_OPS:
+                    _run_compute(rank, i, action, durations, state)
+                elif not _run_local(schedule, rank, i, action, durations, states):
                     break  # a parking transfer whose partner has not posted its side yet
-                if acts[i].op in HOSTING_OPS:
-                    wakeups.wake(acts[i].peer)  # its EVICT or LOAD may go now
+                elif action.op in HOSTING_OPS:
+                    wakeups.wake(action.peer)  # its EVICT or LOAD may go now
                 i += 1
                 continue
             end = i + 1
@@ -313,8 +316,9 @@ class _Durations:
 
 def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durations: _Durations,
                states: list[_RankState]) -> bool:
-    """Run one non-communication action of `rank`: compute on its compute stream, a transfer on a lane.
-    Returns False, doing nothing, for an EVICT or LOAD whose ACCEPT or RETURN the peer has not posted yet."""
+    """Run one action of `rank` that is neither communication nor compute (`_run_compute`): a transfer on a
+    lane, a hosting post or a marker. Returns False, doing nothing, for an EVICT or LOAD whose ACCEPT or
+    RETURN the peer has not posted yet."""
     state = states[rank]
     op = action.op
     costs = durations.costs
@@ -329,32 +333,35 @@ def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durati
             return False
         _run_transfer(schedule, rank, index, action, costs, states)
         return True
+    # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
+    state.timeline.append((action, state.clock, state.clock))
+    return True
+
+
+def _run_compute(rank: int, index: int, action: Action, durations: _Durations, state: _RankState) -> None:
+    """Run one compute action on the rank's compute stream, once its inputs and its stash are there."""
+    op = action.op
     start = state.clock
-    if op in COMPUTE_OPS:
-        key = (action.microbatch, action.chunk)
-        if op is not Op.BW:
-            arrived = state.inputs_at.pop((Op.F if op is Op.F else Op.B, *key), None)
-            if arrived is not None and arrived > start:
-                start = arrived
-        if op is Op.F:
-            start = max(start, state.evicted_at)
-        elif op is not Op.BW:
-            if key in state.away:
-                raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
-                                    f"{state.away[key][0].value} and never brought back")
-            start = max(start, state.back_at.pop(key, start))
-        _, duration, size = durations.compute(rank, op, action.chunk)
-        state.busy += duration
-        if op is Op.F:
-            state.ledger.change(start, +1, size)
-        elif op is not Op.BI:
-            state.ledger.change(start + duration, -1, size)
-    else:
-        # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
-        duration = 0.0
+    key = (action.microbatch, action.chunk)
+    if op is not Op.BW:
+        arrived = state.inputs_at.pop((Op.F if op is Op.F else Op.B, *key), None)
+        if arrived is not None and arrived > start:
+            start = arrived
+    if op is Op.F:
+        start = max(start, state.evicted_at)
+    elif op is not Op.BW:
+        if key in state.away:
+            raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
+                                f"{state.away[key][0].value} and never brought back")
+        start = max(start, state.back_at.pop(key, start))
+    _, duration, size = durations.compute(rank, op, action.chunk)
+    state.busy += duration
+    if op is Op.F:
+        state.ledger.change(start, +1, size)
+    elif op is not Op.BI:
+        state.ledger.change(start + duration, -1, size)
     state.clock = start + duration
     state.timeline.append((action, start, start + duration))
-    return True
 
 
 def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, costs: CostModel,
