@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule,
-                                      ScheduleError)
+                                      ScheduleError, whole_schedule_pass)
 
 Message = tuple[str, int, int]
 """What travels on a link: ("F" activation | "B" gradient, microbatch, global stage that produced it)."""
@@ -376,6 +376,7 @@ def _receive(message: Message, chunk: int, source: int) -> Action:
     return Action(Op.RECV_F if kind == "F" else Op.RECV_B, microbatch, chunk, source)
 
 
+@whole_schedule_pass
 def insert_communication(schedule: Schedule) -> Schedule:
     """Return a copy of a compute-only `schedule` with SEND_*/RECV_* actions inserted (see module docstring).
 

@@ -37,7 +37,7 @@ from typing import Callable, Mapping, Sequence, Union
 
 from megatron_pp.schedules.comm import Wakeups, link_sides
 from megatron_pp.schedules.ir import (COMPUTE_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, TRANSFER_OPS, Action, Op,
-                                      Schedule, ScheduleError)
+                                      Schedule, ScheduleError, whole_schedule_pass)
 
 MeasuredCosts = Union[Mapping[tuple[Op, int], float], Callable[[Op, int], float]]
 
@@ -209,6 +209,7 @@ class _RankState:
     """(ACCEPT or RETURN, microbatch, chunk) posted by this rank (an acceptor) -> (when, timeline index)."""
 
 
+@whole_schedule_pass
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Time `schedule` (with its communication inserted) under `costs` (default `CostModel()`).
 

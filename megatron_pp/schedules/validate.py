@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from megatron_pp.schedules.comm import (PARKING_SENDS, PRODUCER_OFFSET, Message, RendezvousReplay, expected_peer,
                                         forward_neighbours, link_of)
 from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS,
-                                      Action, Op, Schedule, ScheduleError)
+                                      Action, Op, Schedule, ScheduleError, whole_schedule_pass)
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -31,6 +31,7 @@ def _error(rank: int, index: int, action: Action | str, reason: str) -> Schedule
     return ScheduleError(f"rank {rank}, action {index} ({action}): {reason}")
 
 
+@whole_schedule_pass
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError at the first rule `schedule` breaks; return None when it is runnable."""
     _check_fields(schedule)
