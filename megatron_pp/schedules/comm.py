@@ -48,13 +48,8 @@ def expected_peer(schedule: Schedule, rank: int, action: Action) -> int | None:
 
 
 PRODUCER_OFFSET = {Op.SEND_F: ("F", 0), Op.SEND_B: ("B", 0), Op.RECV_F: ("F", -1), Op.RECV_B: ("B", 1)}
-"""Communication op -> (kind of its `Message`, producing stage relative to the stage of the action's chunk)."""
-
-
-def message_of(schedule: Schedule, rank: int, action: Action) -> Message:
-    """The message a communication action sends or receives, named the same way on both ends."""
-    kind, offset = PRODUCER_OFFSET[action.op]
-    return kind, action.microbatch, schedule.stage_of(rank, action.chunk) + offset
+"""Communication op -> (kind of its `Message`, producing stage relative to the stage of the action's chunk):
+the message a send or receive carries, named the same way on both ends."""
 
 
 def link_of(rank: int, action: Action) -> Link:
@@ -410,7 +405,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
                 chunks[a.chunk] = (*schedule.neighbour_ranks(rank, a.chunk), schedule.stage_of(rank, a.chunk))
             prev_rank, next_rank, stage = chunks[a.chunk]
             source, target = (prev_rank, next_rank) if towards == 1 else (next_rank, prev_rank)
-            if source is not None:  # message named as in `message_of`: the stage that produced it
+            if source is not None:  # message named as in `PRODUCER_OFFSET`: the stage that produced it
                 wanted[source, rank][kind, a.microbatch, stage - towards] = (i, a.chunk)
             if target is not None:
                 sends_after[rank][i] = Action(send_op, a.microbatch, a.chunk, target)

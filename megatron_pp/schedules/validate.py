@@ -338,7 +338,7 @@ def _check_links(schedule: Schedule) -> None:
         stages = [schedule.stage_of(rank, chunk) for chunk in range(schedule.num_chunks)]
         for i, a in enumerate(acts):
             if a.op in COMM_OPS:
-                kind, offset = PRODUCER_OFFSET[a.op]  # `message_of`, with this rank's stages looked up once
+                kind, offset = PRODUCER_OFFSET[a.op]  # this rank's stages are looked up once
                 message = (kind, a.microbatch, stages[a.chunk] + offset)
                 if a.op in SEND_OPS:
                     sends[rank, a.peer].append((i, message))
