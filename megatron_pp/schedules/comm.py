@@ -180,7 +180,7 @@ class RendezvousReplay:
         """Advance every rank as far as possible; True when every rank reached the end of its list."""
         actions, all_sides, posted, batch_end, pos = self.actions, self._sides, self._posted, self.batch_end, self.pos
         wakeups = self.wakeups
-        queued, wake = wakeups._queued, wakeups.wake
+        queued, wake = wakeups._queued, wakeups.wake  # `wake` does nothing for a queued rank: skip the call
         work = 0
         # Advance each rank the wake-ups name as far as it goes: post a batch (waking the peers), leave it
         # once every member's partner is posted, run what follows; stop in a batch that still waits.

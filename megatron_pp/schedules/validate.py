@@ -172,20 +172,20 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     for i, a in enumerate(acts):
         op = a.op
         if op in COMM_OPS:  # most actions: tested first, which no check below depends on
-            sent_key = (op, a.microbatch, a.chunk)
+            comm_key = (op, a.microbatch, a.chunk)
             if op in SEND_OPS:
                 producers = forward_at if op is Op.SEND_F else backward_at
                 if (a.microbatch, a.chunk) not in producers:
                     what = "F" if op is Op.SEND_F else "B (or BI)"
                     raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
                                              "which has not run yet")
-                if sent_key in sent:
-                    raise _error(rank, i, a, f"already sent at action {sent[sent_key]}")
-                sent[sent_key] = i
+                if comm_key in sent:
+                    raise _error(rank, i, a, f"already sent at action {sent[comm_key]}")
+                sent[comm_key] = i
             else:
-                if sent_key in received:
-                    raise _error(rank, i, a, f"already received at action {received[sent_key]}")
-                received[sent_key] = i
+                if comm_key in received:
+                    raise _error(rank, i, a, f"already received at action {received[comm_key]}")
+                received[comm_key] = i
             continue
         key = (a.microbatch, a.chunk)
         if a.op is Op.ACCEPT:
