@@ -360,10 +360,10 @@ def whole_schedule_pass(function: _Pass) -> _Pass:
     Such a pass makes a few container objects per action (actions, tuples, lists, dict entries) that stay
     alive until it returns, and none of them is part of a reference cycle: a schedule is lists of frozen
     actions. The collector (generational, CPython 3.11) scans the whole heap each time the surviving objects
-    have grown by a quarter, so during one pass it rescans every object made so far about twenty times and
-    finds nothing to free: a fifth to a third of the CPU time of building, validating and simulating a
-    large schedule (p = 32, m = 1024, v = 4; docs/benchmarks.md). Reference counting frees everything as
-    before; only the collection of cycles, which these passes do not make, waits for the pass to end.
+    have grown by a quarter, so it rescans every object made so far again and again (22 full collections
+    over building and simulating p = 32, m = 1024, v = 4) and finds nothing to free: a fifth to a third of
+    that CPU time (docs/benchmarks.md). Reference counting frees everything as before; only the collection
+    of cycles, which these passes do not make, waits for the pass to end.
     """
     @functools.wraps(function)
     def run(*args, **kwargs):

@@ -260,7 +260,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                         arrival[side >> 1].append(state.clock + latency)
                         wakeups.wake(peer)
             # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
-            # each consumer waits for its own receive only (`_run_local`).
+            # each consumer waits for its own receive only (`_run_compute`).
             start = state.posted_at
             if any(side & 1 and len(arrival[side >> 1]) <= k for side, k, _, _ in batch):
                 break
