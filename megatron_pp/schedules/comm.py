@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule,
-                                      ScheduleError)
+                                      ScheduleError, whole_schedule_pass)
 
 Message = tuple[str, int, int]
 """What travels on a link: ("F" activation | "B" gradient, microbatch, global stage that produced it)."""
@@ -47,13 +47,9 @@ def expected_peer(schedule: Schedule, rank: int, action: Action) -> int | None:
     return next_rank if action.op is Op.SEND_F or action.op is Op.RECV_B else prev_rank
 
 
-_PRODUCER_OFFSET = {Op.SEND_F: ("F", 0), Op.SEND_B: ("B", 0), Op.RECV_F: ("F", -1), Op.RECV_B: ("B", 1)}
-
-
-def message_of(schedule: Schedule, rank: int, action: Action) -> Message:
-    """The message a communication action sends or receives, named the same way on both ends."""
-    kind, offset = _PRODUCER_OFFSET[action.op]
-    return kind, action.microbatch, schedule.stage_of(rank, action.chunk) + offset
+PRODUCER_OFFSET = {Op.SEND_F: ("F", 0), Op.SEND_B: ("B", 0), Op.RECV_F: ("F", -1), Op.RECV_B: ("B", 1)}
+"""Communication op -> (kind of its `Message`, producing stage relative to the stage of the action's chunk):
+the message a send or receive carries, named the same way on both ends."""
 
 
 def link_of(rank: int, action: Action) -> Link:
@@ -63,30 +59,44 @@ def link_of(rank: int, action: Action) -> Link:
     return (rank, action.peer) if action.op in SEND_OPS else (action.peer, rank)
 
 
-Slot = tuple[Link, bool, int]
-"""Where a communication action sits on its link: (link, is it the sending side, position on that side)."""
+Side = tuple[int, int, int, bool]
+"""Where a communication action sits on its link, in numbers for the replays' inner loops: (its side of the
+link: 2l sends on link l and 2l+1 receives, links numbered in order of first appearance, so a side's
+partner is `side ^ 1`; its position k on that side; the rank at the other end; whether it is a pipeline
+transfer, which batches with its neighbours, rather than a parking one, a batch of its own)."""
+
+# Op -> whether it is the sending side of its link, for the ops `link_sides` places on a link.
+_PIPELINE_SIDES = {op: op in SEND_OPS for op in COMM_OPS}
+_ALL_SIDES = {**_PIPELINE_SIDES, **{op: op in PARKING_SENDS for op in PARTNER_OP}}
 
 
-def link_slots(actions: list[list[Action]], parking: bool = False) -> list[list[Slot | None]]:
-    """Per rank and action, its `Slot` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
-    LOAD and RETURN get slots on their parking links too). The k-th send and the k-th receive on a link
-    are partners: NCCL and gloo match point-to-point messages between two ranks in posting order."""
-    slots: list[list[Slot | None]] = []
+def link_sides(actions: list[list[Action]], parking: bool = False) -> tuple[list[list[Side | None]], int]:
+    """Per rank and action, its `Side` (None for non-communication; with `parking`, BPipe's EVICT, ACCEPT,
+    LOAD and RETURN get sides on their parking links too), and the number of links. The k-th send and the
+    k-th receive on a link are partners: NCCL and gloo match point-to-point messages between two ranks in
+    posting order."""
+    sending = _ALL_SIDES if parking else _PIPELINE_SIDES
+    link_ids: dict[Link, int] = {}
+    sides: list[list[Side | None]] = []
     for rank, acts in enumerate(actions):
-        seen: dict[tuple[Link, bool], int] = {}
-        row: list[Slot | None] = []
+        # (peer, op) -> [side, messages so far, peer, pipeline?]: on one rank, an op and a peer name the link.
+        seen: dict[tuple[int, Op], list] = {}
+        row: list[Side | None] = []
         for a in acts:
-            op = a.op
-            if op in COMM_OPS or (parking and op in PARTNER_OP):
-                is_send = op in SEND_OPS or op in PARKING_SENDS
-                key = (link_of(rank, a), is_send)
-                k = seen.get(key, 0)
-                seen[key] = k + 1
-                row.append((key[0], is_send, k))
-            else:
+            is_send = sending.get(a.op)
+            if is_send is None:
                 row.append(None)
-        slots.append(row)
-    return slots
+                continue
+            entry = seen.get((a.peer, a.op))
+            if entry is None:
+                side = 2 * link_ids.setdefault(link_of(rank, a), len(link_ids)) + (not is_send)
+                # Ops on the same side of the same link (SEND_F and SEND_B) share one counter.
+                entry = next((e for e in seen.values() if e[0] == side), None) or [side, 0, a.peer, a.op in COMM_OPS]
+                seen[a.peer, a.op] = entry
+            row.append((entry[0], entry[1], entry[2], entry[3]))
+            entry[1] += 1
+        sides.append(row)
+    return sides, len(link_ids)
 
 
 @dataclass(frozen=True)
@@ -149,17 +159,18 @@ class RendezvousReplay:
     def __init__(self, actions: list[list[Action]], prefer_send_only_batches: bool = False, parking: bool = False):
         self.actions = actions
         self.prefer_send_only_batches = prefer_send_only_batches
-        self.slots = link_slots(actions, parking)
-        self._slot_index: dict[int, dict[Slot, int]] = {}  # per rank, built when a roll-back needs it
+        self._sides, num_links = link_sides(actions, parking)
+        # How many actions each side of each link has posted, indexed by side: the hot loop indexes a list
+        # instead of hashing (link, is_send) keys.
+        self._posted = [0] * (2 * num_links)
+        self._side_index: dict[int, dict[tuple[int, int], int]] = {}  # per rank, built when a roll-back needs it
         self.pos = [0] * len(actions)
         self.batch_end: list[int | None] = [None] * len(actions)
-        self.posted: dict[tuple[Link, bool], int] = defaultdict(int)
         self.wakeups = Wakeups(len(actions))
         self.work = 0
 
-    def _matched(self, slot: Slot) -> bool:
-        link, is_send, k = slot
-        return self.posted[link, not is_send] > k
+    def _matched(self, side: Side) -> bool:
+        return self._posted[side[0] ^ 1] > side[1]
 
     def run(self) -> list[Blocked]:
         """Advance every rank as far as possible; return the blocked ranks (empty when all finished)."""
@@ -167,11 +178,45 @@ class RendezvousReplay:
 
     def settle(self) -> bool:
         """Advance every rank as far as possible; True when every rank reached the end of its list."""
-        while (rank := self.wakeups.next()) is not None:
-            self._advance(rank)
-        self.wakeups.restart()
-        self.work += len(self.actions)
-        return all(self.pos[rank] == len(acts) for rank, acts in enumerate(self.actions))
+        actions, all_sides, posted, batch_end, pos = self.actions, self._sides, self._posted, self.batch_end, self.pos
+        wakeups = self.wakeups
+        queued, wake = wakeups._queued, wakeups.wake  # `wake` does nothing for a queued rank: skip the call
+        work = 0
+        # Advance each rank the wake-ups name as far as it goes: post a batch (waking the peers), leave it
+        # once every member's partner is posted, run what follows; stop in a batch that still waits.
+        while (rank := wakeups.next()) is not None:
+            sides = all_sides[rank]
+            i, n = pos[rank], len(sides)
+            work += 1
+            while i < n:
+                if sides[i] is None:
+                    i += 1
+                    continue
+                end = batch_end[rank]
+                if end is None:
+                    end = i
+                    while end < n and (side := sides[end]) is not None:
+                        posted[side[0]] += 1
+                        if not queued[side[2]]:
+                            wake(side[2])
+                        end += 1
+                        # A parking action (with `parking`) is a batch of its own.
+                        if not side[3] or (end < n and sides[end] is not None and not sides[end][3]):
+                            break
+                    batch_end[rank] = end
+                for j in range(i, end):
+                    work += 1
+                    side = sides[j]
+                    if posted[side[0] ^ 1] <= side[1]:
+                        break
+                else:
+                    i, batch_end[rank] = end, None
+                    continue
+                break
+            pos[rank] = i
+        wakeups.restart()
+        self.work += work + len(actions)
+        return all(pos[rank] == len(acts) for rank, acts in enumerate(actions))
 
     def blocked(self) -> list[Blocked]:
         """The ranks that have not reached the end of their list, each with what it waits for."""
@@ -181,7 +226,7 @@ class RendezvousReplay:
         """Rewrite part of some lists and go on from the current state instead of replaying from scratch.
 
         `changed[rank] = (start, window)` puts `window` in place of as many actions from `start` on: the
-        same actions reordered, each keeping its place on its link (its `Slot`), as when BPipe moves an
+        same actions reordered, each keeping its place on its link (its `Side`), as when BPipe moves an
         acceptor's hosting action past others. Exact: a replay's end state does not depend on the order
         ranks advance in (postings only grow, and a rank's progress only grows with them), so settling from
         any state that the new lists can reach ends where a fresh replay would. Such a state is made by
@@ -201,13 +246,13 @@ class RendezvousReplay:
             self._roll_back(rank, at, undo)
         for rank, (start, window) in changed.items():
             end = start + len(window)
-            acts, slots = self.actions[rank], self.slots[rank]
-            slot_of = dict(zip(acts[start:end], slots[start:end]))
+            acts, sides = self.actions[rank], self._sides[rank]
+            side_of = dict(zip(acts[start:end], sides[start:end]))
             acts[start:end] = window
-            slots[start:end] = [slot_of[a] for a in window]
-            index = self._slot_index.get(rank)
+            sides[start:end] = [side_of[a] for a in window]
+            index = self._side_index.get(rank)
             if index is not None:
-                index.update((slots[j], j) for j in range(start, end) if slots[j] is not None)
+                index.update((sides[j][:2], j) for j in range(start, end) if sides[j] is not None)
             self.work += len(window)
             self.wakeups.wake(rank)
 
@@ -219,8 +264,8 @@ class RendezvousReplay:
     def _batch_start(self, rank: int, index: int) -> int:
         """The start of the run of pipeline transfers just before `index` (`index` where there is none): the
         batch that holds it, or one that a changed action at `index` could join; at most one batch early."""
-        acts, slots = self.actions[rank], self.slots[rank]
-        while index > 0 and slots[index - 1] is not None and acts[index - 1].op in COMM_OPS:
+        sides = self._sides[rank]
+        while index > 0 and sides[index - 1] is not None and sides[index - 1][3]:
             index -= 1
             self.work += 1
         return index
@@ -231,61 +276,32 @@ class RendezvousReplay:
         end = self._posted_end(rank)
         if start >= end and start >= self.pos[rank]:
             return
-        slots = self.slots[rank]
+        sides = self._sides[rank]
         for j in range(start, end):
             self.work += 1
-            if slots[j] is None:
+            side = sides[j]
+            if side is None:
                 continue
-            link, is_send, k = slots[j]
-            self.posted[link, is_send] -= 1  # the rank's latest on this link: it posts in list order
-            if self.posted[link, not is_send] > k:  # the peer posted the partner and may be past it
-                peer = link[1] if is_send else link[0]
-                index = self._index_of(peer)[link, not is_send, k]
+            self._posted[side[0]] -= 1  # the rank's latest on this link: it posts in list order
+            if self._matched(side):  # the peer posted the partner and may be past it
+                peer = side[2]
+                index = self._index_of(peer)[side[0] ^ 1, side[1]]
                 if index < self.pos[peer]:
                     undo.append((peer, self._batch_start(peer, index)))
         self.pos[rank], self.batch_end[rank] = start, None
         self.wakeups.wake(rank)
 
-    def _index_of(self, rank: int) -> dict[Slot, int]:
-        if rank not in self._slot_index:
-            self._slot_index[rank] = {slot: j for j, slot in enumerate(self.slots[rank]) if slot is not None}
-            self.work += len(self.slots[rank])
-        return self._slot_index[rank]
-
-    def _advance(self, rank: int) -> None:
-        acts, slots, posted, batch_end = self.actions[rank], self.slots[rank], self.posted, self.batch_end
-        i, n = self.pos[rank], len(acts)
-        work = 1
-        while i < n:
-            if slots[i] is None:
-                i += 1
-                continue
-            end = batch_end[rank]
-            if end is None:
-                end = i
-                while end < n and slots[end] is not None:
-                    link, is_send, _ = slots[end]
-                    posted[link, is_send] += 1
-                    self.wakeups.wake(link[1] if is_send else link[0])
-                    end += 1
-                    if acts[end - 1].op not in COMM_OPS or (end < n and acts[end].op not in COMM_OPS):
-                        break  # a parking action (with `parking`) is a batch of its own
-                batch_end[rank] = end
-            for j in range(i, end):
-                work += 1
-                link, is_send, k = slots[j]
-                if posted[link, not is_send] <= k:
-                    self.pos[rank] = i
-                    self.work += work
-                    return
-            i, batch_end[rank] = end, None
-        self.pos[rank] = i
-        self.work += work
+    def _index_of(self, rank: int) -> dict[tuple[int, int], int]:
+        """(side, position on it) -> index in `rank`'s list."""
+        if rank not in self._side_index:
+            self._side_index[rank] = {side[:2]: j for j, side in enumerate(self._sides[rank]) if side is not None}
+            self.work += len(self._sides[rank])
+        return self._side_index[rank]
 
     def _blocked(self, rank: int) -> Blocked:
         i, end = self.pos[rank], self.batch_end[rank]
         waiting = tuple((j, self.actions[rank][j]) for j in range(i, end)
-                        if not self._matched(self.slots[rank][j]))
+                        if not self._matched(self._sides[rank][j]))
         return Blocked(rank, i, waiting)
 
     def _blocked_sends(self):
@@ -297,7 +313,8 @@ class RendezvousReplay:
             if end is None:
                 continue
             for j in range(self.pos[rank], end):
-                if self.slots[rank][j][1] and not self._matched(self.slots[rank][j]):
+                side = self._sides[rank][j]
+                if side[0] % 2 == 0 and not self._matched(side):
                     yield rank, j
 
     def hoist_receive(self) -> bool:
@@ -326,24 +343,35 @@ class RendezvousReplay:
             rank, index = next((c for c in (first, *candidates)
                                 if not self._batch_receives(self.actions[c[0]][c[1]].peer)), first)
         peer = self.actions[rank][index].peer
-        link, _, k = self.slots[rank][index]
-        peer_acts, peer_slots = self.actions[peer], self.slots[peer]
+        sent, k, _, _ = self._sides[rank][index]
+        peer_acts, peer_sides = self.actions[peer], self._sides[peer]
         end = self.batch_end[peer]
-        j = peer_slots.index((link, False, k), end)  # not posted yet, so after the peer's batch
+        j = peer_sides.index((sent ^ 1, k, rank, True), end)  # not posted yet, so after the peer's batch
         # Rotate [end, j] by one in place: the work is the distance moved, not the list's length.
-        peer_acts[end:j + 1] = [peer_acts[j]] + peer_acts[end:j]
-        peer_slots[end:j + 1] = [peer_slots[j]] + peer_slots[end:j]
+        for seq in (peer_acts, peer_sides):
+            seq[end:j + 1] = [seq[j]] + seq[end:j]
         self.batch_end[peer] = end + 1
-        self.posted[link, False] += 1
+        self._posted[sent ^ 1] += 1
         self.wakeups.wake(rank)
         self.wakeups.wake(peer)
         return True
 
     def _batch_receives(self, rank: int) -> bool:
         """Whether the batch `rank` is blocked in holds a receive."""
-        return any(not self.slots[rank][i][1] for i in range(self.pos[rank], self.batch_end[rank]))
+        return any(self._sides[rank][i][0] % 2 for i in range(self.pos[rank], self.batch_end[rank]))
 
 
+_INSERTED_OPS = COMM_OPS | HOSTING_OPS
+"""What `insert_communication` adds, so what its input must not hold."""
+
+
+def _receive(message: Message, chunk: int, source: int) -> Action:
+    """The RECV of `message` from rank `source` for the consumer on local `chunk`."""
+    kind, microbatch, _ = message
+    return Action(Op.RECV_F if kind == "F" else Op.RECV_B, microbatch, chunk, source)
+
+
+@whole_schedule_pass
 def insert_communication(schedule: Schedule) -> Schedule:
     """Return a copy of a compute-only `schedule` with SEND_*/RECV_* actions inserted (see module docstring).
 
@@ -351,32 +379,36 @@ def insert_communication(schedule: Schedule) -> Schedule:
     itself deadlocks (some rank waits for data that can only come after it proceeds).
     """
     p = schedule.num_ranks
+    parking = False  # whether some rank parks stashes on a partner (BPipe), whose side `add_hosting` adds
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
-            if a.op in COMM_OPS or a.op in HOSTING_OPS:
+            if a.op in _INSERTED_OPS:
                 raise ScheduleError(f"rank {rank}, action {i} ({a}): schedule {schedule.name!r} already has "
                                     "communication; insert_communication expects compute-only lists")
-    sends_after: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
+            parking = parking or a.op in PARTNER_OP
+    sends_after: list[dict[int, Action]] = [{} for _ in range(p)]  # a compute sends to one rank at most
     # Per link, in the sender's order: (message, index of its producer in the sender's compute list).
     sent: dict[Link, list[tuple[Message, int]]] = defaultdict(list)
-    # Receiving side: message -> (index of its consumer in the compute list, the RECV action).
-    wanted: dict[Link, dict[Message, tuple[int, Action]]] = defaultdict(dict)
+    # Receiving side: message -> (index of its consumer in the compute list, its chunk); the RECV action is
+    # made where it is placed.
+    wanted: dict[Link, dict[Message, tuple[int, int]]] = defaultdict(dict)
     for rank, acts in enumerate(schedule.actions):
+        chunks: dict[int, tuple[int | None, int | None, int]] = {}  # chunk -> (prev rank, next rank, stage)
         for i, a in enumerate(acts):
             if a.op is Op.F:
-                kind, recv_op, send_op, towards = "F", Op.RECV_F, Op.SEND_F, 1
+                kind, send_op, towards = "F", Op.SEND_F, 1
             elif a.op is Op.B or a.op is Op.BI:  # BI produces the input gradient; BW sends nothing
-                kind, recv_op, send_op, towards = "B", Op.RECV_B, Op.SEND_B, -1
+                kind, send_op, towards = "B", Op.SEND_B, -1
             else:
                 continue
-            prev_rank, next_rank = schedule.neighbour_ranks(rank, a.chunk)
+            if a.chunk not in chunks:
+                chunks[a.chunk] = (*schedule.neighbour_ranks(rank, a.chunk), schedule.stage_of(rank, a.chunk))
+            prev_rank, next_rank, stage = chunks[a.chunk]
             source, target = (prev_rank, next_rank) if towards == 1 else (next_rank, prev_rank)
-            stage = schedule.stage_of(rank, a.chunk)
-            if source is not None:  # message named as in `message_of`: the stage that produced it
-                wanted[source, rank][kind, a.microbatch, stage - towards] = (i, Action(recv_op, a.microbatch,
-                                                                                        a.chunk, source))
+            if source is not None:  # message named as in `PRODUCER_OFFSET`: the stage that produced it
+                wanted[source, rank][kind, a.microbatch, stage - towards] = (i, a.chunk)
             if target is not None:
-                sends_after[rank][i].append(Action(send_op, a.microbatch, a.chunk, target))
+                sends_after[rank][i] = Action(send_op, a.microbatch, a.chunk, target)
                 sent[rank, target].append(((kind, a.microbatch, stage), i))
 
     recvs_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
@@ -388,34 +420,34 @@ def insert_communication(schedule: Schedule) -> Schedule:
                 raise ScheduleError(f"rank {src}, action {i} ({schedule.actions[src][i]}): its result goes to rank "
                                     f"{dst}, which never runs the action that consumes it")
         produced = {message for message, _ in order}
-        for message, (i, recv) in needs.items():
+        for message, (i, chunk) in needs.items():
             if message not in produced:
-                raise ScheduleError(f"rank {dst}, action {i} ({schedule.actions[dst][i]}): needs {recv}, but rank "
-                                    f"{src} never produces that message")
+                raise ScheduleError(f"rank {dst}, action {i} ({schedule.actions[dst][i]}): needs "
+                                    f"{_receive(message, chunk, src)}, but rank {src} never produces that message")
         # Receive in the sender's order: a message consumed late is received no later than any message the
         # sender posts after it (suffix minimum of the consumer positions).
-        placed: list[tuple[int, Action]] = []
-        latest = None
-        for message, _ in reversed(order):
-            consumer, recv = needs[message]
-            latest = consumer if latest is None else min(latest, consumer)
-            placed.append((latest, recv))
-        for at, recv in reversed(placed):
-            recvs_before[dst][at].append(recv)
+        at = [needs[message][0] for message, _ in order]
+        for k in range(len(at) - 2, -1, -1):
+            at[k] = min(at[k], at[k + 1])
+        for (message, _), consumer_at in zip(order, at):
+            recvs_before[dst][consumer_at].append(_receive(message, needs[message][1], src))
 
     lists: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):
         out: list[Action] = []
         sends: list[Action] = []
+        receives, sends_of = recvs_before[rank], sends_after[rank]
         for i, a in enumerate(acts):
             # Stash transfers issued after a compute go before its sends, so that they never split the
             # batch of those sends with the next compute's receives (the pairing that avoids deadlocks).
             if a.op not in SIDE_OPS:
                 out += sends
                 sends = []
-            out += recvs_before[rank].get(i, [])
+            if i in receives:
+                out += receives[i]
             out.append(a)
-            sends += sends_after[rank].get(i, [])
+            if i in sends_of:
+                sends.append(sends_of[i])
         lists.append(out + sends)
 
     replay = RendezvousReplay(lists, bool(schedule.options.get(HOIST_TO_SEND_ONLY_BATCHES)))
@@ -424,7 +456,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
                                 + "; ".join(b.describe() for b in replay.blocked()))
     with_comm = dataclasses.replace(schedule, actions=lists)
-    if any(a.op in PARTNER_OP for acts in lists for a in acts):
+    if parking:
         from megatron_pp.schedules.bpipe import add_hosting  # the acceptor's side of BPipe's parking
 
         with_comm = add_hosting(with_comm)

@@ -38,10 +38,12 @@ Each of these actions is a batch of its own (posted alone, on its own group), ne
 from __future__ import annotations
 
 import enum
+import functools
+import gc
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 
 class ScheduleError(ValueError):
@@ -137,10 +139,17 @@ class Action:
         if type(op) is not Op:
             op = Op(op)
             object.__setattr__(self, "op", op)
-        # Built hundreds of thousands of times for a large schedule: one table lookup per field instead of
-        # set tests, and the full check only for a value that is not a plain non-negative int.
-        for name, wanted, value in zip(("microbatch", "chunk", "peer"), _WANTED_FIELDS[op],
-                                       (self.microbatch, self.chunk, self.peer)):
+        # Built hundreds of thousands of times for a large schedule: one table lookup, the usual case (each
+        # field a plain non-negative int exactly where the op wants one, no version) settled in one test, and
+        # the field-by-field checks, with their messages, only when it fails.
+        microbatch, chunk, peer = self.microbatch, self.chunk, self.peer
+        wants = wants_microbatch, wants_chunk, wants_peer = _WANTED_FIELDS[op]
+        if (((type(microbatch) is int and microbatch >= 0) if wants_microbatch else microbatch is None)
+                and ((type(chunk) is int and chunk >= 0) if wants_chunk else chunk is None)
+                and ((type(peer) is int and peer >= 0) if wants_peer else peer is None)
+                and self.version is None):
+            return
+        for name, wanted, value in zip(("microbatch", "chunk", "peer"), wants, (microbatch, chunk, peer)):
             if value is None:
                 if wanted:
                     raise ValueError(f"{op.value} needs a {name}")
@@ -339,6 +348,33 @@ class Schedule:
                 cells = " ".join(t.ljust(width) for t in row[start:start + per_row])
                 lines.append(f"{f'rank {r}'.ljust(label)} | {cells}".rstrip())
         return "\n".join(lines)
+
+
+_Pass = TypeVar("_Pass", bound=Callable)
+
+
+def whole_schedule_pass(function: _Pass) -> _Pass:
+    """Decorator for a pass over every action of a schedule (communication insertion, validation,
+    simulation): runs it with CPython's cyclic garbage collector paused, and resumed after if it was on.
+
+    Such a pass makes a few container objects per action (actions, tuples, lists, dict entries) that stay
+    alive until it returns, and none of them is part of a reference cycle: a schedule is lists of frozen
+    actions. The collector (generational, CPython 3.11) scans the whole heap each time the surviving objects
+    have grown by a quarter, so it rescans every object made so far again and again (22 full collections
+    over building and simulating p = 32, m = 1024, v = 4) and finds nothing to free: a fifth to a third of
+    that CPU time (docs/benchmarks.md). Reference counting frees everything as before; only the collection
+    of cycles, which these passes do not make, waits for the pass to end.
+    """
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if not gc.isenabled():  # paused already (a nested pass, or the caller's choice): leave it so
+            return function(*args, **kwargs)
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.enable()
+    return run  # type: ignore[return-value]
 
 
 def batches(actions: Sequence[Action]) -> list[tuple[int, int]]:

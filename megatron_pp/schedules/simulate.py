@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
-from megatron_pp.schedules.comm import Link, Wakeups, link_slots
+from megatron_pp.schedules.comm import Wakeups, link_sides
 from megatron_pp.schedules.ir import (COMPUTE_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, TRANSFER_OPS, Action, Op,
-                                      Schedule, ScheduleError)
+                                      Schedule, ScheduleError, whole_schedule_pass)
 
 MeasuredCosts = Union[Mapping[tuple[Op, int], float], Callable[[Op, int], float]]
 
@@ -209,6 +209,7 @@ class _RankState:
     """(ACCEPT or RETURN, microbatch, chunk) posted by this rank (an acceptor) -> (when, timeline index)."""
 
 
+@whole_schedule_pass
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Time `schedule` (with its communication inserted) under `costs` (default `CostModel()`).
 
@@ -221,8 +222,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                          f"{schedule.name!r} has {schedule.num_stages} stages")
     states = [_RankState() for _ in range(schedule.num_ranks)]
     pos = [0] * schedule.num_ranks
-    slot_of = link_slots(schedule.actions)
-    arrival: dict[tuple[Link, int], float] = {}  # (link, position on it) -> when the data is at the receiver
+    sides_of, num_links = link_sides(schedule.actions)
+    # Per link, when each message sent on it is at the receiver, in order: a rank posts its sends on a link
+    # in list order, so the k-th entry is the k-th message.
+    arrival: list[list[float]] = [[] for _ in range(num_links)]
     durations = _Durations(schedule, costs)
 
     # A rank only waits here for a receive whose sender has not posted yet, so a posting wakes the
@@ -231,39 +234,43 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     wakeups = Wakeups(schedule.num_ranks)
     latency = costs.p2p_latency
     while (rank := wakeups.next()) is not None:
-        acts, state, slots = schedule.actions[rank], states[rank], slot_of[rank]
+        acts, state, sides = schedule.actions[rank], states[rank], sides_of[rank]
+        timeline, inputs_at = state.timeline, state.inputs_at
         i, n = pos[rank], len(acts)
         while i < n:
-            if slots[i] is None:
-                if not _run_local(schedule, rank, i, acts[i], durations, states):
+            if sides[i] is None:
+                action = acts[i]
+                if action.op in COMPUTE_OPS:
+                    _run_compute(rank, i, action, durations, state)
+                elif not _run_local(schedule, rank, i, action, durations, states):
                     break  # a parking transfer whose partner has not posted its side yet
-                if acts[i].op in HOSTING_OPS:
-                    wakeups.wake(acts[i].peer)  # its EVICT or LOAD may go now
+                elif action.op in HOSTING_OPS:
+                    wakeups.wake(action.peer)  # its EVICT or LOAD may go now
                 i += 1
                 continue
-            end = i
-            while end < n and slots[end] is not None:
+            end = i + 1
+            while end < n and sides[end] is not None:
                 end += 1
+            batch = sides[i:end]
             if state.posted_at is None:
-                # Sends leave as soon as the batch is posted.
+                # Sends leave as soon as the batch is posted (an even side sends, see `Side`).
                 state.posted_at = state.clock
-                for link, is_send, k in slots[i:end]:
-                    if is_send:
-                        arrival[link, k] = state.clock + latency
-                        wakeups.wake(link[1])
+                for side, _, peer, _ in batch:
+                    if not side & 1:
+                        arrival[side >> 1].append(state.clock + latency)
+                        wakeups.wake(peer)
             # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
-            # each consumer waits for its own receive only (`_run_local`).
+            # each consumer waits for its own receive only (`_run_compute`).
             start = state.posted_at
-            if any(not is_send and (link, k) not in arrival for link, is_send, k in slots[i:end]):
+            if any(side & 1 and len(arrival[side >> 1]) <= k for side, k, _, _ in batch):
                 break
-            for action, (link, is_send, k) in zip(acts[i:end], slots[i:end]):
-                if is_send:
-                    state.timeline.append((action, start, start))
+            for action, (side, k, _, _) in zip(acts[i:end], batch):
+                if side & 1:
+                    done = max(start, arrival[side >> 1][k])
+                    timeline.append((action, start, done))
+                    inputs_at[Op.F if action.op is Op.RECV_F else Op.B, action.microbatch, action.chunk] = done
                 else:
-                    done = max(start, arrival[link, k])
-                    state.timeline.append((action, start, done))
-                    consumer = Op.F if action.op is Op.RECV_F else Op.B
-                    state.inputs_at[consumer, action.microbatch, action.chunk] = done
+                    timeline.append((action, start, start))
             state.posted_at, i = None, end
         pos[rank] = i
 
@@ -310,8 +317,9 @@ class _Durations:
 
 def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durations: _Durations,
                states: list[_RankState]) -> bool:
-    """Run one non-communication action of `rank`: compute on its compute stream, a transfer on a lane.
-    Returns False, doing nothing, for an EVICT or LOAD whose ACCEPT or RETURN the peer has not posted yet."""
+    """Run one action of `rank` that is neither communication nor compute (`_run_compute`): a transfer on a
+    lane, a hosting post or a marker. Returns False, doing nothing, for an EVICT or LOAD whose ACCEPT or
+    RETURN the peer has not posted yet."""
     state = states[rank]
     op = action.op
     costs = durations.costs
@@ -326,32 +334,35 @@ def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durati
             return False
         _run_transfer(schedule, rank, index, action, costs, states)
         return True
+    # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
+    state.timeline.append((action, state.clock, state.clock))
+    return True
+
+
+def _run_compute(rank: int, index: int, action: Action, durations: _Durations, state: _RankState) -> None:
+    """Run one compute action on the rank's compute stream, once its inputs and its stash are there."""
+    op = action.op
     start = state.clock
-    if op in COMPUTE_OPS:
-        key = (action.microbatch, action.chunk)
-        if op is not Op.BW:
-            arrived = state.inputs_at.pop((Op.F if op is Op.F else Op.B, *key), None)
-            if arrived is not None and arrived > start:
-                start = arrived
-        if op is Op.F:
-            start = max(start, state.evicted_at)
-        elif op is not Op.BW:
-            if key in state.away:
-                raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
-                                    f"{state.away[key][0].value} and never brought back")
-            start = max(start, state.back_at.pop(key, start))
-        _, duration, size = durations.compute(rank, op, action.chunk)
-        state.busy += duration
-        if op is Op.F:
-            state.ledger.change(start, +1, size)
-        elif op is not Op.BI:
-            state.ledger.change(start + duration, -1, size)
-    else:
-        # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
-        duration = 0.0
+    key = (action.microbatch, action.chunk)
+    if op is not Op.BW:
+        arrived = state.inputs_at.pop((Op.F if op is Op.F else Op.B, *key), None)
+        if arrived is not None and arrived > start:
+            start = arrived
+    if op is Op.F:
+        start = max(start, state.evicted_at)
+    elif op is not Op.BW:
+        if key in state.away:
+            raise ScheduleError(f"rank {rank}, action {index} ({action}): its stash was sent away by "
+                                f"{state.away[key][0].value} and never brought back")
+        start = max(start, state.back_at.pop(key, start))
+    _, duration, size = durations.compute(rank, op, action.chunk)
+    state.busy += duration
+    if op is Op.F:
+        state.ledger.change(start, +1, size)
+    elif op is not Op.BI:
+        state.ledger.change(start + duration, -1, size)
     state.clock = start + duration
     state.timeline.append((action, start, start + duration))
-    return True
 
 
 def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, costs: CostModel,

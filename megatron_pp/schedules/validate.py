@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from megatron_pp.schedules.comm import (PARKING_SENDS, Message, RendezvousReplay, expected_peer,
-                                        forward_neighbours, link_of, message_of)
+from megatron_pp.schedules.comm import (PARKING_SENDS, PRODUCER_OFFSET, Message, RendezvousReplay, expected_peer,
+                                        forward_neighbours, link_of)
 from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, SEND_OPS, TRANSFER_OPS,
-                                      Action, Op, Schedule, ScheduleError)
+                                      Action, Op, Schedule, ScheduleError, whole_schedule_pass)
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -31,6 +31,7 @@ def _error(rank: int, index: int, action: Action | str, reason: str) -> Schedule
     return ScheduleError(f"rank {rank}, action {index} ({action}): {reason}")
 
 
+@whole_schedule_pass
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError at the first rule `schedule` breaks; return None when it is runnable."""
     _check_fields(schedule)
@@ -46,7 +47,18 @@ def _check_fields(schedule: Schedule) -> None:
     parks_on = _parking_peers(schedule)
     hosts_for: dict[int, int] = {}
     for rank, acts in enumerate(schedule.actions):
+        # Every (op, chunk, peer) that passes the checks below whatever its microbatch, stash transfers and
+        # hosting aside: one set lookup settles almost every action; the rest take the checks in order.
+        fine = {(op, chunk, None) for op in (Op.F, Op.B, Op.BI, Op.BW, Op.REDUCE_GRAD) for chunk in range(v)}
+        fine.add((Op.STEP, None, None))
+        for op in COMM_OPS:
+            for chunk in range(v):
+                peer = expected_peer(schedule, rank, Action(op, 0, chunk, 0))  # depends on op and chunk only
+                if peer is not None:
+                    fine.add((op, chunk, peer))
         for i, a in enumerate(acts):
+            if (a.microbatch is None or a.microbatch < m) and (a.op, a.chunk, a.peer) in fine:
+                continue
             if a.microbatch is not None and a.microbatch >= m:
                 raise _error(rank, i, a, f"microbatch {a.microbatch} out of range (m={m})")
             if a.chunk is not None and a.chunk >= v:
@@ -152,8 +164,29 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     returned: set[tuple[int, int]] = set()
     hosted: dict[tuple[int, int], int] = {}  # a partner's stash accepted here and not yet returned -> index
     given_back: dict[tuple[int, int], int] = {}
+    # Per chunk, where the input of its forward and of its backward comes from (`_input_source`); chunks
+    # are in range here (`_check_fields` ran).
+    forward_input = [_input_source(schedule, rank, chunk, Op.RECV_F) for chunk in range(schedule.num_chunks)]
+    backward_input = [_input_source(schedule, rank, chunk, Op.RECV_B) for chunk in range(schedule.num_chunks)]
 
     for i, a in enumerate(acts):
+        op = a.op
+        if op in COMM_OPS:  # most actions: tested first, which no check below depends on
+            comm_key = (op, a.microbatch, a.chunk)
+            if op in SEND_OPS:
+                producers = forward_at if op is Op.SEND_F else backward_at
+                if (a.microbatch, a.chunk) not in producers:
+                    what = "F" if op is Op.SEND_F else "B (or BI)"
+                    raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
+                                             "which has not run yet")
+                if comm_key in sent:
+                    raise _error(rank, i, a, f"already sent at action {sent[comm_key]}")
+                sent[comm_key] = i
+            else:
+                if comm_key in received:
+                    raise _error(rank, i, a, f"already received at action {received[comm_key]}")
+                received[comm_key] = i
+            continue
         key = (a.microbatch, a.chunk)
         if a.op is Op.ACCEPT:
             if key in hosted or key in given_back:
@@ -172,26 +205,13 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
             raise _error(rank, i, a, f"its stash is off the device since {away} (action {at}); {back} must come "
                                      "before the backward")
-        if a.op in SEND_OPS:
-            producers = forward_at if a.op is Op.SEND_F else backward_at
-            if key not in producers:
-                what = "F" if a.op is Op.SEND_F else "B (or BI)"
-                raise _error(rank, i, a, f"sends the result of {what}{a.microbatch}.{a.chunk}, "
-                                         "which has not run yet")
-            if (a.op, a.microbatch, a.chunk) in sent:
-                raise _error(rank, i, a, f"already sent at action {sent[a.op, a.microbatch, a.chunk]}")
-            sent[a.op, a.microbatch, a.chunk] = i
-        elif a.op in COMM_OPS:
-            if (a.op, a.microbatch, a.chunk) in received:
-                raise _error(rank, i, a, f"already received at action {received[a.op, a.microbatch, a.chunk]}")
-            received[a.op, a.microbatch, a.chunk] = i
-        elif a.op in TRANSFER_OPS:
+        if a.op in TRANSFER_OPS:
             _check_stash_transfer(rank, i, a, forward_at, backward_at, parked, returned)
         elif a.op is Op.F:
             if key in forward_at:
                 raise _error(rank, i, a, f"second forward of this microbatch and chunk "
                                          f"(first at action {forward_at[key]})")
-            _check_input(schedule, rank, i, a, Op.RECV_F, received, forward_at)
+            _check_input(rank, i, a, Op.RECV_F, forward_input[a.chunk], received, forward_at)
             held = live_versions[a.chunk]
             if a.version is not None and a.version not in held and len(held) == 2:
                 raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted({*held, a.version})} "
@@ -209,7 +229,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                                          "(stash count would go negative)")
             if a.version != live[key]:
                 raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
-            _check_input(schedule, rank, i, a, Op.RECV_B, received, backward_at)
+            _check_input(rank, i, a, Op.RECV_B, backward_input[a.chunk], received, backward_at)
             _check_not_reduced(rank, i, a, reduced_at, group)
             backward_at[key] = i
             if a.op is Op.B:
@@ -233,6 +253,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             done.append(i)
 
     end = len(acts)
+    neighbours = [forward_neighbours(schedule, rank, chunk) for chunk in range(schedule.num_chunks)]
     for chunk, done in reduced_at.items():
         if len(done) < num_groups:
             raise _error(rank, done[-1], acts[done[-1]],
@@ -255,7 +276,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 raise _error(rank, f, acts[f], f"no backward (B{mb}.{chunk}, or BI and BW) follows")
             if acts[backward_at[key]].op is Op.BI and key not in weight_grad_at:
                 raise _error(rank, backward_at[key], acts[backward_at[key]], f"BW{mb}.{chunk} never follows")
-            prev_rank, next_rank = forward_neighbours(schedule, rank, chunk)
+            prev_rank, next_rank = neighbours[chunk]
             for op, peer, producer in ((Op.SEND_F, next_rank, f), (Op.SEND_B, prev_rank, backward_at[key])):
                 if peer is not None and (op, mb, chunk) not in sent:
                     raise _error(rank, producer, acts[producer],
@@ -272,15 +293,25 @@ def _release(live: dict[tuple[int, int], int | None], live_versions: dict[int, C
             del held[version]
 
 
-def _check_input(schedule: Schedule, rank: int, index: int, action: Action, recv_op: Op,
-                 received: dict[tuple[Op, int, int], int], done: dict[tuple[int, int], int]) -> None:
-    """The input of a forward (activation) or backward (output gradient) must be here before it runs:
-    received from another rank, or produced earlier in this list when the neighbour stage is local."""
-    stage = schedule.stage_of(rank, action.chunk)
+def _input_source(schedule: Schedule, rank: int, chunk: int, recv_op: Op) -> tuple[int, int, int] | None:
+    """Where the input of a forward (`recv_op` RECV_F) or backward (RECV_B) of (rank, chunk) comes from:
+    (rank, local chunk and global stage of the neighbour stage that produces it), None for the first
+    stage's forward and the last stage's backward, which need none."""
+    stage = schedule.stage_of(rank, chunk)
     neighbour = stage - 1 if recv_op is Op.RECV_F else stage + 1
     if not 0 <= neighbour < schedule.num_stages:
+        return None
+    return (*schedule.location(neighbour), neighbour)
+
+
+def _check_input(rank: int, index: int, action: Action, recv_op: Op, source: tuple[int, int, int] | None,
+                 received: dict[tuple[Op, int, int], int], done: dict[tuple[int, int], int]) -> None:
+    """The input of a forward (activation) or backward (output gradient) must be here before it runs:
+    received from another rank, or produced earlier in this list when the neighbour stage (`source`, from
+    `_input_source`) is local."""
+    if source is None:
         return
-    peer, chunk = schedule.location(neighbour)
+    peer, chunk, neighbour = source
     if peer != rank:
         if (recv_op, action.microbatch, action.chunk) not in received:
             need = Action(recv_op, action.microbatch, action.chunk, peer)
@@ -299,30 +330,34 @@ def _check_not_reduced(rank: int, index: int, action: Action, reduced_at: dict[i
 
 
 def _check_links(schedule: Schedule) -> None:
-    sends: dict[tuple[int, int], list[tuple[int, int, Action, Message]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[int, int, Action, Message]]] = defaultdict(list)
+    # Per link, (index in its rank's list, message) of every send and receive on it, in list order (the rank
+    # is the link's sending or receiving end).
+    sends: dict[tuple[int, int], list[tuple[int, Message]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[int, Message]]] = defaultdict(list)
     for rank, acts in enumerate(schedule.actions):
+        stages = [schedule.stage_of(rank, chunk) for chunk in range(schedule.num_chunks)]
         for i, a in enumerate(acts):
             if a.op in COMM_OPS:
+                kind, offset = PRODUCER_OFFSET[a.op]  # this rank's stages are looked up once
+                message = (kind, a.microbatch, stages[a.chunk] + offset)
                 if a.op in SEND_OPS:
-                    sends[rank, a.peer].append((rank, i, a, message_of(schedule, rank, a)))
+                    sends[rank, a.peer].append((i, message))
                 else:
-                    recvs[a.peer, rank].append((rank, i, a, message_of(schedule, rank, a)))
+                    recvs[a.peer, rank].append((i, message))
     for link in sorted(set(sends) | set(recvs)):
-        out, into = sends.get(link, []), recvs.get(link, [])
-        for k, (sender, receiver) in enumerate(zip(out, into)):
-            if sender[3] != receiver[3]:
-                rank, i, a, _ = receiver
-                raise _error(rank, i, a, f"message #{k} on link {link[0]}->{link[1]} is received here but rank "
-                                         f"{sender[0]} sends {sender[2]} (action {sender[1]}) as message #{k}")
+        (src, dst), out, into = link, sends.get(link, []), recvs.get(link, [])
+        for k, ((s_i, sent), (r_i, received)) in enumerate(zip(out, into)):
+            if sent != received:
+                raise _error(dst, r_i, schedule.actions[dst][r_i], f"message #{k} on link {src}->{dst} is received "
+                             f"here but rank {src} sends {schedule.actions[src][s_i]} (action {s_i}) as message #{k}")
         if len(into) > len(out):
-            rank, i, a, _ = into[len(out)]
-            raise _error(rank, i, a, f"no matching send: rank {link[0]} sends only {len(out)} messages "
-                                     f"to rank {link[1]}")
+            i = into[len(out)][0]
+            raise _error(dst, i, schedule.actions[dst][i], f"no matching send: rank {src} sends only {len(out)} "
+                                                           f"messages to rank {dst}")
         if len(out) > len(into):
-            rank, i, a, _ = out[len(into)]
-            raise _error(rank, i, a, f"no matching receive: rank {link[1]} receives only {len(into)} messages "
-                                     f"from rank {link[0]}")
+            i = out[len(into)][0]
+            raise _error(src, i, schedule.actions[src][i], f"no matching receive: rank {dst} receives only "
+                                                           f"{len(into)} messages from rank {src}")
 
 
 def _check_parking_links(schedule: Schedule) -> None:
