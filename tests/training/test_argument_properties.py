@@ -20,7 +20,7 @@ import os
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_pp.schedules.registry import build_schedule
@@ -64,6 +64,11 @@ def batch_geometry(draw):
 
 @PROPERTY
 @given(batch_geometry(), st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "2bw"]))
+# The edges of the divisibility check, always tried: a micro-batch of 1 and a global batch of 1 that the
+# replicas cannot share.
+@example((1, 1, 2, 1, 1), "1f1b")
+@example((1, 2, 3, 1, 4), "1f1b")
+@example((2, 1, 2, 1, 3), "gpipe")
 def test_accepted_batch_geometry_trains_exactly_the_consumed_samples(geometry, schedule):
     tp, pp, dp, mbs, gbs = geometry
     layers = 2 * pp

@@ -402,3 +402,10 @@ def test_virtual_stage_counts_below_one_are_refused_naming_the_flag(flag_name, v
                                              "--pipeline-schedule", "interleaved-1f1b", flag_name, value])
     errors = validate_args(args, world_size=2)
     assert len(errors) == 1 and flag_name in errors[0], errors
+
+
+@pytest.mark.parametrize("flag_name", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"])
+def test_a_parallel_size_of_zero_is_one_line_naming_the_flag(flag_name):
+    errors = errors_of(BASE + [flag_name, "0"])
+    assert errors and all(isinstance(e, str) for e in errors)
+    assert any(e == f"{flag_name} must be >= 1, got 0" for e in errors), errors
