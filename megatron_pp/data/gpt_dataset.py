@@ -71,7 +71,7 @@ def make_batch(samples: np.ndarray, options: BatchOptions, device: torch.device 
     loss_mask = np.ones((b, s), dtype=np.float32)
     if options.eod_mask_loss:
         loss_mask[tokens == options.eod] = 0.0
-    positions = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
+    positions = np.tile(np.arange(s, dtype=np.int64), (b, 1))  # writable: torch warns on read-only arrays
     after_eod = np.zeros((b, s), dtype=bool)
     after_eod[:, 1:] = tokens[:, :-1] == options.eod
     if options.reset_position_ids:
@@ -82,7 +82,7 @@ def make_batch(samples: np.ndarray, options: BatchOptions, device: torch.device 
         "tokens": torch.from_numpy(tokens).to(device),
         "labels": torch.from_numpy(labels).to(device),
         "loss_mask": torch.from_numpy(loss_mask).to(device),
-        "position_ids": torch.from_numpy(np.ascontiguousarray(positions)).to(device),
+        "position_ids": torch.from_numpy(positions).to(device),
     }
     if options.reset_attention_mask:
         rows, cols = np.nonzero(after_eod)

@@ -208,3 +208,53 @@ def test_one_token_samples_are_the_smallest_length_and_zero_is_refused():
     assert sorted(index["shuffle_index"].tolist()) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="seq_length >= 1, got 4 and 0"):
         build_sample_index(np.array([5]), num_samples=4, seq_length=0, seed=0)
+
+
+def test_batches_are_int64_whatever_the_token_dtype():
+    # A .bin stores uint16 or int32 token ids; the embedding takes int64.
+    for samples in (np.array([[5, 6, 0, 7]], dtype=np.uint16), np.array([[5, 6, 0, 7]], dtype=np.int32),
+                    [[5, 6, 0, 7]]):
+        batch = make_batch(samples, BatchOptions(eod=0))
+        assert batch["tokens"].dtype == torch.int64 and batch["labels"].dtype == torch.int64
+        assert batch["tokens"].tolist() == [[5, 6, 0]] and batch["labels"].tolist() == [[6, 0, 7]]
+
+
+def test_sample_index_refuses_zero_samples():
+    with pytest.raises(ValueError, match="need num_samples >= 1 and seq_length >= 1, got 0 and 4"):
+        build_sample_index(np.array([5]), num_samples=0, seq_length=4, seed=0)
+
+
+def test_cache_files_follow_the_umask_and_a_failed_write_leaves_nothing(corpus, tmp_path):
+    # The cache is shared by every job on the cluster: its files get the mode a plain open() gives them
+    # (tempfile makes 0600), and a write that fails leaves no temporary file behind.
+    indexed, _ = corpus
+    old = os.umask(0o027)
+    try:
+        _dataset(indexed, tmp_path, 40)
+    finally:
+        os.umask(old)
+    files = os.listdir(tmp_path / "cache")
+    assert files and all(os.stat(tmp_path / "cache" / f).st_mode & 0o777 == 0o640 for f in files)
+
+    def fail(f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        gpt_dataset._atomic_write(str(tmp_path / "cache" / "x.npy"), fail)
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(files)
+
+
+def test_a_one_sample_batch_hands_torch_only_writable_arrays(monkeypatch):
+    # At micro-batch 1 a broadcast position array is read-only, and torch warns (once per process, so
+    # the check is on what make_batch hands it).
+    from_numpy = torch.from_numpy
+
+    def writable_only(array):
+        assert array.flags.writeable
+        return from_numpy(array)
+
+    monkeypatch.setattr(torch, "from_numpy", writable_only)
+    for options in (BatchOptions(eod=0), BatchOptions(eod=0, reset_position_ids=True, reset_attention_mask=True)):
+        batch = make_batch(np.array([[5, 6, 0, 7]]), options)
+    assert batch["position_ids"].tolist() == [[0, 1, 2]]
