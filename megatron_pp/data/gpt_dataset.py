@@ -151,6 +151,12 @@ def _epoch_sample_starts(tokens_per_epoch: int, num_epochs: int, seq_length: int
     return np.minimum(starts, num_samples)
 
 
+def document_id_dtype(num_documents: int) -> type:
+    """The narrowest of int32 and int64 that holds every document id, 0 .. num_documents - 1 (the
+    document index has one entry per document per epoch, so its width is most of its size)."""
+    return np.int32 if num_documents - 1 <= np.iinfo(np.int32).max else np.int64
+
+
 def build_sample_index(lengths: np.ndarray, num_samples: int, seq_length: int, seed: int) -> dict[str, np.ndarray]:
     """Document, sample and shuffle indices (see the module doc) for documents of `lengths` tokens.
 
@@ -166,7 +172,7 @@ def build_sample_index(lengths: np.ndarray, num_samples: int, seq_length: int, s
     needed = num_samples * seq_length + 1
     num_epochs = -(-needed // tokens_per_epoch)
     rng = np.random.default_rng(seed)
-    id_dtype = np.int32 if len(lengths) < 2**31 else np.int64
+    id_dtype = document_id_dtype(len(lengths))
     document_index = np.concatenate(
         [rng.permutation(len(lengths)).astype(id_dtype) for _ in range(num_epochs)]
     )

@@ -258,3 +258,15 @@ def test_a_one_sample_batch_hands_torch_only_writable_arrays(monkeypatch):
     for options in (BatchOptions(eod=0), BatchOptions(eod=0, reset_position_ids=True, reset_attention_mask=True)):
         batch = make_batch(np.array([[5, 6, 0, 7]]), options)
     assert batch["position_ids"].tolist() == [[0, 1, 2]]
+
+
+def test_document_ids_are_int32_exactly_while_they_fit():
+    from megatron_pp.data.gpt_dataset import document_id_dtype
+    assert document_id_dtype(1) is np.int32 and document_id_dtype(2**31) is np.int32  # ids up to 2^31 - 1
+    assert document_id_dtype(2**31 + 1) is np.int64 and document_id_dtype(2**33) is np.int64
+    # Lengths given as a list or as the .idx's int32 give the same index as int64 ones.
+    expected = build_sample_index(np.array([5, 3, 7], dtype=np.int64), num_samples=6, seq_length=4, seed=1)
+    for lengths in ([5, 3, 7], np.array([5, 3, 7], dtype=np.int32)):
+        got = build_sample_index(lengths, num_samples=6, seq_length=4, seed=1)
+        assert all(np.array_equal(got[k], expected[k]) for k in expected)
+    assert expected["document_index"].dtype == np.int32
