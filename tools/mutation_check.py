@@ -95,7 +95,7 @@ COVERING: dict[str, list[str]] = {
                                           f"{SAFETY}::test_config_files_cannot_send_outputs_outside_the_run_directory",
                                           f"{SAFETY}::test_relative_outputs_in_config_files_and_any_path_on_the_command_line_are_fine"],
     "megatron_pp/training/checkpointing.py": ["tests/training/test_checkpointing.py"],
-    "megatron_pp/data/gpt_dataset.py": ["tests/data/test_gpt_dataset.py"],
+    "megatron_pp/data/gpt_dataset.py": ["tests/data/test_gpt_dataset.py", "tests/data/test_blend.py"],
     "megatron_pp/data/blend.py": ["tests/data/test_blend.py"],
 }
 

@@ -170,6 +170,18 @@ def test_bad_ranges_and_empty_splits_are_rejected_on_every_rank(corpus, tmp_path
         _dataset(indexed, tmp_path, 5, document_range=(50, 50))
     with pytest.raises(ValueError, match=r"documents \[0, 1\) hold no tokens"):
         _dataset(indexed, tmp_path, 5, document_range=(0, 1), is_builder=False)
+    # A negative start would slice from the end of the file.
+    with pytest.raises(ValueError, match=r"range \[-1, 5\) is empty or outside"):
+        _dataset(indexed, tmp_path, 5, document_range=(-1, 5))
+
+
+def test_sample_numbers_outside_the_dataset_are_refused(corpus, tmp_path):
+    indexed, _ = corpus
+    dataset = _dataset(indexed, tmp_path, 5)
+    assert dataset.sample(0).shape == dataset.sample(4).shape == (SEQ + 1,)
+    for index in (-1, 5):  # -1 would read the last sample
+        with pytest.raises(IndexError, match=f"sample {index} out of range"):
+            dataset.sample(index)
 
 
 def test_unwritable_cache_names_the_flag(corpus, tmp_path):
