@@ -472,7 +472,7 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
         errors += [f"{flag(n)} needs --train-samples (this run counts --train-iters; use the *-iters flag)"
                    for n in wrong]
         decay = args.lr_decay_iters or args.train_iters  # 0 is the run's length, as LRSchedule reads it
-        if args.lr_warmup_iters and args.lr_warmup_iters >= decay >= 0:
+        if args.lr_warmup_iters and args.lr_warmup_iters >= decay >= 1:  # a length below 1 has its own line
             errors.append(f"--lr-warmup-iters {args.lr_warmup_iters} must be less than the decay length {decay} "
                           "(--lr-decay-iters, default --train-iters)")
     if args.train_samples is not None:
@@ -481,7 +481,7 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
         errors += [f"{flag(n)} needs --train-iters (this run counts --train-samples; use the *-samples flag)"
                    for n in wrong]
         decay = args.lr_decay_samples or args.train_samples  # the same rule as --lr-warmup-iters above
-        if args.lr_warmup_samples and args.lr_warmup_samples >= decay >= 0:
+        if args.lr_warmup_samples and args.lr_warmup_samples >= decay >= 1:
             errors.append(f"--lr-warmup-samples {args.lr_warmup_samples} must be less than the decay length "
                           f"{decay} (--lr-decay-samples, default --train-samples)")
     if args.min_lr > args.lr >= 0:

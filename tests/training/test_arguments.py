@@ -409,3 +409,25 @@ def test_a_parallel_size_of_zero_is_one_line_naming_the_flag(flag_name):
     errors = errors_of(BASE + [flag_name, "0"])
     assert errors and all(isinstance(e, str) for e in errors)
     assert any(e == f"{flag_name} must be >= 1, got 0" for e in errors), errors
+
+
+SAMPLES_BASE = BASE[:-2] + ["--train-samples", "8", "--global-batch-size", "1"]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (BASE + ["--lr-decay-iters", "-1", "--lr-warmup-iters", "2"], "--lr-decay-iters must be >= 0, got -1"),
+    (BASE + ["--train-iters", "0", "--lr-warmup-iters", "1"], "--train-iters must be >= 1, got 0"),
+    (SAMPLES_BASE + ["--lr-decay-samples", "-1", "--lr-warmup-samples", "2"], "--lr-decay-samples must be >= 0, got -1"),
+    (BASE + ["--lr", "-0.5"], "--lr must be >= 0.0, got -0.5"),
+])
+def test_a_length_or_rate_below_its_minimum_is_one_line_not_two(argv, line):
+    # A negative decay length or learning rate is its own problem; the warm-up and min-lr comparisons
+    # that read it must not add a second line about the same value.
+    assert errors_of(argv) == [line]
+
+
+def test_wsd_decay_as_long_as_the_decay_is_accepted():
+    assert errors_of(BASE + ["--train-iters", "10", "--lr-decay-style", "WSD", "--lr-decay-iters", "8",
+                             "--lr-wsd-decay-iters", "8"]) == []
+    assert errors_of(BASE + ["--train-iters", "10", "--lr-decay-style", "WSD", "--lr-decay-iters", "8",
+                             "--lr-wsd-decay-iters", "9"]) == ["--lr-wsd-decay-iters 9 exceeds --lr-decay-iters 8"]
