@@ -431,3 +431,52 @@ def test_wsd_decay_as_long_as_the_decay_is_accepted():
                              "--lr-wsd-decay-iters", "8"]) == []
     assert errors_of(BASE + ["--train-iters", "10", "--lr-decay-style", "WSD", "--lr-decay-iters", "8",
                              "--lr-wsd-decay-iters", "9"]) == ["--lr-wsd-decay-iters 9 exceeds --lr-decay-iters 8"]
+
+
+# Every numeric check at its boundary: the lowest (or highest) value accepted, and the first refused, which
+# must be one line naming the flag. `extra` makes the flag applicable.
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block"]
+BOUNDARIES = [
+    ("--micro-batch-size", "1", "0", []),
+    ("--global-batch-size", "1", "0", []),
+    ("--train-iters", "1", "0", []),
+    ("--lr-warmup-iters", "0", "-1", []),
+    ("--lr-decay-iters", "0", "-1", []),
+    ("--lr", "0", "-0.001", []),
+    ("--min-lr", "0", "-0.001", []),
+    ("--adam-beta1", "0", "-0.01", []),
+    ("--adam-beta1", "0.999", "1.0", []),
+    ("--adam-beta2", "0", "-0.01", []),
+    ("--adam-beta2", "0.999", "1.0", []),
+    ("--sgd-momentum", "0", "-0.01", ["--optimizer", "sgd"]),
+    ("--sgd-momentum", "0.99", "1.0", ["--optimizer", "sgd"]),
+    ("--adam-eps", "1e-12", "0", []),
+    ("--weight-decay", "0", "-0.1", []),
+    ("--clip-grad", "0", "-0.1", []),
+    ("--loss-scale", "0.5", "0", ["--fp16"]),
+    ("--initial-loss-scale", "1", "0", []),
+    ("--min-loss-scale", "0.001", "0", []),
+    ("--loss-scale-window", "1", "0", []),
+    ("--hysteresis", "1", "0", []),
+    ("--recompute-num-layers", "1", "0", RECOMPUTE),
+    ("--max-consecutive-nonfinite", "1", "0", []),
+    ("--loss-spike-window", "2", "1", []),
+    ("--heartbeat-timeout-seconds", "0", "-1", []),
+    ("--distributed-timeout-minutes", "0.01", "0", []),
+    ("--loss-spike-factor", "1.01", "1.0", []),
+    ("--save-interval", "1", "0", ["--save", "ckpt"]),
+    ("--exit-interval", "1", "0", []),
+    ("--exit-duration-in-mins", "0.01", "0", []),
+    ("--eval-interval", "1", "0", []),
+    ("--eval-iters", "0", "-1", []),
+    ("--log-interval", "1", "0", []),
+    ("--peak-tflops", "0.01", "0", []),
+]
+
+
+@pytest.mark.parametrize("flag_name, accepted, refused, extra", BOUNDARIES,
+                         ids=[f"{b[0]}={b[2]}" for b in BOUNDARIES])
+def test_each_numeric_check_at_its_boundary(flag_name, accepted, refused, extra):
+    assert errors_of(BASE + extra + [flag_name, accepted]) == []
+    errors = errors_of(BASE + extra + [flag_name, refused])
+    assert len(errors) == 1 and errors[0].startswith(flag_name), errors
