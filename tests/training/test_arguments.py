@@ -480,3 +480,33 @@ def test_each_numeric_check_at_its_boundary(flag_name, accepted, refused, extra)
     assert errors_of(BASE + extra + [flag_name, accepted]) == []
     errors = errors_of(BASE + extra + [flag_name, refused])
     assert len(errors) == 1 and errors[0].startswith(flag_name), errors
+
+
+def test_validation_data_is_needed_only_when_validation_runs(tmp_path):
+    # (The dataset files do not exist here: only the validation-data line is looked at.)
+    data = ["--model-preset", "gpt-tiny", "--train-iters", "3", "--data-path", str(tmp_path / "c"),
+            "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+
+    def needs_validation(extra):
+        return [e for e in errors_of(data + extra) if "--eval-interval needs validation data" in e]
+
+    assert len(needs_validation(["--eval-interval", "5"])) == 1
+    assert len(needs_validation(["--eval-interval", "5", "--eval-iters", "1"])) == 1
+    assert needs_validation([]) == []  # no --eval-interval: no validation pass
+    assert needs_validation(["--eval-interval", "5", "--eval-iters", "0"]) == []
+    train_only = ["--model-preset", "gpt-tiny", "--train-iters", "3", "--train-data-path", str(tmp_path / "c"),
+                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--eval-interval", "5"]
+    assert any("--eval-interval needs validation data: add --valid-data-path" in e for e in errors_of(train_only))
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--no-save-optim"], "--no-save-optim needs --save"),
+    (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--finetune"], "--finetune needs --load"),
+    (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint needs --load"),
+    (["--exit-signal-handler"], "--exit-signal-handler needs --save (it saves a checkpoint before exiting)"),
+    (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
+    (["--wandb-save-dir", "x"], "--wandb-save-dir needs --wandb-project"),
+])
+def test_a_flag_without_the_flag_it_needs_is_one_line(extra, line):
+    assert errors_of(BASE + extra) == [line]
