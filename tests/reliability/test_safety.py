@@ -63,12 +63,17 @@ def test_a_crafted_checkpoint_file_is_refused_without_running_its_code(tmp_path)
 
 @pytest.mark.parametrize("key,value", [("save", "/abs/ck"), ("tensorboard-dir", "../tb"), ("wandb_save_dir", "~/wb"),
                                        ("trace-file", "runs/../../t.json"), ("data-cache-path", "/cache")])
-def test_config_files_cannot_send_outputs_outside_the_run_directory(tmp_path, key, value):
+def test_config_files_cannot_send_outputs_outside_the_run_directory(tmp_path, key, value, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(f"{key}: {value}\n")
     with pytest.raises(SystemExit) as info:
-        parse_args(["--config", str(config), "--mock-data", "--train-iters", "1"])
+        parse_args(["--config", str(config), "--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "1"])
     assert info.value.code == 2
+    # The only problem, and the one refused: the output path (not some other flag's error).
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --config {config}: {key} {value!r} points outside the run directory (absolute, '~' or '..'); a config "
+        f"file may only name outputs below the directory the job starts in; give --{key.replace('_', '-')} on the "
+        "command line to write elsewhere"]
 
 
 def test_relative_outputs_in_config_files_and_any_path_on_the_command_line_are_fine(tmp_path):
