@@ -462,7 +462,7 @@ def _check_length_and_lr(args: argparse.Namespace) -> list[str]:
     if (args.train_iters is None) == (args.train_samples is None):
         errors.append("give exactly one of --train-iters and --train-samples")
     elif args.train_samples is not None and args.global_batch_size is not None and (
-            0 <= args.train_samples < args.global_batch_size):
+            1 <= args.train_samples < args.global_batch_size):  # below 1 has its own line
         errors.append(f"--train-samples {args.train_samples} is less than one --global-batch-size "
                       f"{args.global_batch_size}: no iteration would run")
     # Megatron's rule: lengths are counted in the unit the run is counted in.

@@ -419,6 +419,13 @@ SAMPLES_BASE = BASE[:-2] + ["--train-samples", "8", "--global-batch-size", "1"]
     (BASE + ["--train-iters", "0", "--lr-warmup-iters", "1"], "--train-iters must be >= 1, got 0"),
     (SAMPLES_BASE + ["--lr-decay-samples", "-1", "--lr-warmup-samples", "2"], "--lr-decay-samples must be >= 0, got -1"),
     (BASE + ["--lr", "-0.5"], "--lr must be >= 0.0, got -0.5"),
+    (SAMPLES_BASE[:-2] + ["--train-samples", "0", "--global-batch-size", "4"], "--train-samples must be >= 1, got 0"),
+    (SAMPLES_BASE[:-2] + ["--train-samples", "-1", "--global-batch-size", "4"], "--train-samples must be >= 1, got -1"),
+    (SAMPLES_BASE[:-2] + ["--train-samples", "1", "--global-batch-size", "4"],
+     "--train-samples 1 is less than one --global-batch-size 4: no iteration would run"),
+    (BASE + ["--train-iters", "1", "--lr-warmup-iters", "1"],
+     "--lr-warmup-iters 1 must be less than the decay length 1 (--lr-decay-iters, default --train-iters)"),
+    (BASE + ["--micro-batch-size", "0", "--global-batch-size", "4"], "--micro-batch-size must be >= 1, got 0"),
 ])
 def test_a_length_or_rate_below_its_minimum_is_one_line_not_two(argv, line):
     # A negative decay length or learning rate is its own problem; the warm-up and min-lr comparisons
