@@ -517,3 +517,11 @@ def test_validation_data_is_needed_only_when_validation_runs(tmp_path):
 ])
 def test_a_flag_without_the_flag_it_needs_is_one_line(extra, line):
     assert errors_of(BASE + extra) == [line]
+
+
+@pytest.mark.parametrize("extra", [["--tensorboard-dir"], ["--wandb-project", "p", "--wandb-save-dir"],
+                                   ["--save"], ["--load"]])
+def test_an_output_directory_that_is_a_file_is_one_line(tmp_path, extra):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert errors_of(BASE + extra + [str(a_file)]) == [f"{extra[-1]} {a_file} is a file, not a directory"]
