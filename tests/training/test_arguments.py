@@ -514,6 +514,8 @@ def test_validation_data_is_needed_only_when_validation_runs(tmp_path):
     (["--exit-signal-handler"], "--exit-signal-handler needs --save (it saves a checkpoint before exiting)"),
     (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
     (["--wandb-save-dir", "x"], "--wandb-save-dir needs --wandb-project"),
+    (["--continue-on-save-failure"], "--continue-on-save-failure needs --save"),
+    (["--min-loss-scale", "1", "--initial-loss-scale", "0.5"], "--min-loss-scale 1.0 is above --initial-loss-scale 0.5"),
 ])
 def test_a_flag_without_the_flag_it_needs_is_one_line(extra, line):
     assert errors_of(BASE + extra) == [line]
