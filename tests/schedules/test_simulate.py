@@ -102,6 +102,25 @@ def test_unsupported_and_stuck_schedules_raise():
         simulate(stuck)
 
 
+@pytest.mark.parametrize("field,zero,negative", [
+    ("forward", 0.0, -1e-9), ("backward", 0.0, -1e-9), ("backward_input", 0.0, -1e-9),
+    ("backward_weight", 0.0, -1e-9), ("p2p_latency", 0.0, -1e-9), ("transfer", 0.0, -1e-9),
+    ("stage_weights", [0.0, 1.0], [1.0, -1e-9]), ("stash_bytes", [0.0, 1.0], [1.0, -1e-9])])
+def test_cost_model_accepts_zero_and_refuses_below_it(field, zero, negative):
+    CostModel(**{field: zero})
+    with pytest.raises(ValueError, match=f"CostModel.{field} must be >= 0"):
+        CostModel(**{field: negative})
+
+
+def test_peer_bandwidth_must_be_positive_and_comes_with_stash_bytes():
+    assert CostModel(stash_bytes=[1.0, 1.0], peer_bandwidth=1e-9).peer_bandwidth == 1e-9
+    for bad in (0.0, -1.0):  # a zero bandwidth would divide by zero when EVICT/LOAD are timed
+        with pytest.raises(ValueError, match="peer_bandwidth must be > 0 and needs stash_bytes"):
+            CostModel(stash_bytes=[1.0, 1.0], peer_bandwidth=bad)
+    with pytest.raises(ValueError, match="peer_bandwidth must be > 0 and needs stash_bytes"):
+        CostModel(peer_bandwidth=1.0)
+
+
 def test_cost_model_rejects_bad_values():
     with pytest.raises(ValueError, match="CostModel.backward must be >= 0"):
         CostModel(backward=-1)

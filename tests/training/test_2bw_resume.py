@@ -8,7 +8,7 @@ import shutil
 import torch
 
 from megatron_pp.training.arguments import parse_args
-from megatron_pp.training.checkpointing import iteration_dir, rank_file, read_tracker
+from megatron_pp.training.checkpointing import iteration_dir, model_file, rank_file, read_tracker
 from megatron_pp.training.train import pretrain
 from tests.dist import run_distributed
 
@@ -46,6 +46,13 @@ def test_flushes_and_resume_are_bitwise_exact(tmp_path):
     state = torch.load(os.path.join(iteration_dir(str(tmp_path / "ck"), 2), rank_file(1, 0, 0)), weights_only=True)
     two_bw = state["schedule_state"]["two_bw"]
     assert two_bw["next_batch"] == 2 and two_bw["loss_scales"] == [1.0, 1.0] and len(two_bw["older_weights"]) > 0
+    # The model file holds the newest version and the schedule state the older one. Files with the older
+    # weights would resume one update behind wherever the optimizer's copy is not loaded (--no-load-optim,
+    # --finetune, a conversion), which the bitwise resume above does not see.
+    model = torch.load(os.path.join(iteration_dir(str(tmp_path / "ck"), 2), model_file(1, 0)), weights_only=True)
+    newest = list(model["model"].values())
+    assert [t.shape for t in newest] == [t.shape for t in two_bw["older_weights"]]
+    assert all(not torch.equal(n, o) for n, o in zip(newest, two_bw["older_weights"]) if n.dim() == 2)
 
     resumed = _run(ARGV + ["--load", str(tmp_path / "ck")])
     _same(resumed, straight[2:])

@@ -527,3 +527,13 @@ def test_an_output_directory_that_is_a_file_is_one_line(tmp_path, extra):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     assert errors_of(BASE + extra + [str(a_file)]) == [f"{extra[-1]} {a_file} is a file, not a directory"]
+
+
+def test_group_query_attention_needs_its_group_count_unless_a_preset_gives_it():
+    shape = ["--mock-data", "--train-iters", "3", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+             "4", "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "128"]
+    assert errors_of(shape) == []
+    assert errors_of(shape + ["--group-query-attention"]) == ["--group-query-attention needs --num-query-groups"]
+    assert errors_of(shape + ["--group-query-attention", "--num-query-groups", "2"]) == []
+    assert errors_of(["--model-preset", "llama-tiny", "--mock-data", "--train-iters", "3",
+                      "--group-query-attention"]) == []

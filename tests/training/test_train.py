@@ -6,11 +6,14 @@ import random
 import types
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_pp.core.tensor_parallel.random import get_rng_tracker
 from megatron_pp.training import train
+from megatron_pp.training.checkpointing import CheckpointError
+from megatron_pp.training.trainer import TrainingStopped
 from megatron_pp.training.train import seed_everything
 from tests.reliability.ranks import free_port
 
@@ -66,3 +69,104 @@ def test_main_runs_the_job_in_the_process_group_it_made_and_releases_it(tmp_path
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# main's error policy, with the process group, the watchdog and the job stood in for -------------------------
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        if name in ("quiet", "stop", "report_failure", "wait_for_verdict"):
+            return lambda: self.calls.append(name)
+        raise AttributeError(name)
+
+
+def _main_with(monkeypatch, job, watchdog=None, traceback=False):
+    """Run `train.main` on a single process whose job is `job(args)`; returns (watchdog calls, reported lines,
+    shutdowns, the exit status or None)."""
+    watchdog, reported, shutdowns = watchdog or _Watchdog(), [], []
+    monkeypatch.setattr(train, "read_launch_env", lambda: types.SimpleNamespace(world_size=1, rank=0))
+    monkeypatch.setattr(train, "rendezvous_store", lambda launch: None)
+    monkeypatch.setattr(train, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(train, "start_watchdog", lambda args, launch: watchdog)
+    monkeypatch.setattr(train, "pretrain", job)
+    monkeypatch.setattr(train, "report_runtime_error",
+                        lambda line, store, rank, world, echo=False: reported.append((line, echo)))
+    monkeypatch.setattr(train.comm, "shutdown", lambda: shutdowns.append(True))
+    if traceback:
+        monkeypatch.setenv("MEGATRON_PP_TRACEBACK", "1")
+    else:
+        monkeypatch.delenv("MEGATRON_PP_TRACEBACK", raising=False)
+    status = None
+    try:
+        train.main(["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "2", "--train-iters", "1"])
+    except SystemExit as exc:
+        status = exc.code
+    return watchdog.calls, reported, shutdowns, status
+
+
+def _raise(exc):
+    def job(args):
+        raise exc
+
+    return job
+
+
+def test_main_stops_the_watchdog_and_releases_the_group_after_a_job(monkeypatch):
+    assert _main_with(monkeypatch, lambda args: []) == (["stop"], [], [True], None)
+
+
+def test_main_reports_an_input_error_once_and_tells_the_other_ranks(monkeypatch):
+    calls, reported, shutdowns, status = _main_with(monkeypatch, _raise(ValueError("data.idx: bad magic")))
+    # Quiet first (this rank's line is the message, not the watchdog's), then the others stop at once.
+    assert calls == ["quiet", "report_failure"] and reported == [("data.idx: bad magic", False)]
+    assert status == 1 and shutdowns == []
+
+
+def test_main_ends_an_agreed_error_without_blaming_a_rank(monkeypatch):
+    echo = CheckpointError("saving checkpoint 3 failed on another rank (see its error)")
+    echo.echo = True
+    calls, reported, _, status = _main_with(monkeypatch, _raise(echo))
+    assert calls == ["quiet", "stop"] and status == 1
+    assert reported == [("saving checkpoint 3 failed on another rank (see its error)", True)]
+    calls, reported, _, status = _main_with(monkeypatch, _raise(TrainingStopped("iteration 4: not finite")))
+    assert calls == ["quiet", "stop"] and reported == [("iteration 4: not finite", False)] and status == 1
+
+
+def test_main_lets_the_watchdog_name_a_dead_peer_before_a_collective_error_goes_on(monkeypatch):
+    # Without a verdict the error is a bug and keeps its traceback.
+    watchdog = _Watchdog()
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        _main_with(monkeypatch, _raise(RuntimeError("Connection closed by peer")), watchdog)
+    assert watchdog.calls == ["wait_for_verdict"]
+
+
+def test_main_keeps_the_traceback_of_an_input_error_when_asked(monkeypatch):
+    watchdog = _Watchdog()
+    with pytest.raises(ValueError, match="bad magic"):
+        _main_with(monkeypatch, _raise(ValueError("bad magic")), watchdog, traceback=True)
+    assert watchdog.calls == ["quiet"]
+@pytest.mark.parametrize("distributed,world,heartbeat,started", [
+    (True, 2, 30.0, True), (True, 3, 7.0, True), (True, 1, 30.0, False), (False, 2, 30.0, False),
+    (True, 2, 0.0, False)])
+def test_the_watchdog_runs_only_in_a_multi_process_job_with_a_heartbeat(monkeypatch, distributed, world, heartbeat,
+                                                                        started):
+    connected = []
+
+    class Started:
+        def start(self):
+            return self
+
+    def connect(addr, port, rank, world_size, timeout):
+        connected.append((addr, port, rank, world_size, timeout))
+        return Started()
+
+    monkeypatch.setattr(train.comm, "is_distributed", lambda: distributed)
+    monkeypatch.setattr(train.Watchdog, "connect", staticmethod(connect))
+    launch = types.SimpleNamespace(master_addr="node0", master_port=1234, rank=1, world_size=world)
+    got = train.start_watchdog(types.SimpleNamespace(heartbeat_timeout_seconds=heartbeat), launch)
+    assert (got is not None) == started
+    assert connected == ([("node0", 1234, 1, world, heartbeat)] if started else [])
