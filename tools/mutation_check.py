@@ -56,12 +56,15 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/schedules/bpipe.py": ["tests/schedules/test_bpipe.py"],
     "megatron_pp/schedules/twobw.py": [SIZES, "tests/schedules/test_2bw.py"],
     # BPipe's parking links and its acceptor's side (add_hosting) are inserted here too.
-    "megatron_pp/schedules/comm.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py",
-                                      "tests/schedules/test_gis.py", "tests/schedules/test_bpipe.py"],
+    "megatron_pp/schedules/comm.py": ["tests/schedules/test_comm.py", "tests/schedules/test_validate.py",
+                                      "tests/schedules/test_generators.py", "tests/schedules/test_gis.py",
+                                      "tests/schedules/test_bpipe.py"],
     "megatron_pp/schedules/validate.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py",
                                           "tests/schedules/test_looped.py"],
+    # Stash transfers (OFFLOAD/RELOAD, EVICT/LOAD) are timed only in the PipeOffload and BPipe tests.
     "megatron_pp/schedules/simulate.py": ["tests/schedules/test_simulate.py",
-                                          "tests/schedules/test_simulate_properties.py"],
+                                          "tests/schedules/test_simulate_properties.py",
+                                          "tests/schedules/test_offload.py", "tests/schedules/test_bpipe.py"],
     # Split backward, offload and BPipe run handlers that plain 1F1B never calls.
     "megatron_pp/schedules/execute.py": ["tests/schedules/test_exactness.py::test_exact_world2",
                                          f"{EDGES}::test_one_step_gradients_at_odd_sizes",

@@ -27,18 +27,19 @@ def _setup(bucket_bytes: int = 1 << 20):
 def test_two_groups_give_the_step_sum_and_count_each_launch():
     chunks, reducer = _setup(bucket_bytes=64)  # weight and bias in separate buckets
     assert [len(reducer.chunk_buckets[c]) for c in (0, 1)] == [2, 2]
-    inputs = [torch.randn(3, 4) for _ in range(4)]
-    reducer.start_step(4)
-    for group in (inputs[:2], inputs[2:]):  # breadth-first: chunk 1's backwards, then chunk 0's
-        for chunk in (1, 0):
-            for x in group:
-                chunks[chunk](x).backward()
-            reducer.reduce_chunk(chunk)
-    assert reducer.reductions == {0: 4, 1: 4}  # 2 buckets x 2 groups per chunk
-    reducer.finish()
-    for chunk in chunks:
-        ref = torch.autograd.grad(sum(chunk(x) for x in inputs), [chunk.weight, chunk.bias])
-        assert torch.allclose(chunk.weight.grad, ref[0]) and torch.allclose(chunk.bias.grad, ref[1])
+    for step in range(2):  # the second step counts and sums its own launches and gradients only
+        inputs = [torch.randn(3, 4) for _ in range(4)]
+        reducer.start_step(4)
+        for group in (inputs[:2], inputs[2:]):  # breadth-first: chunk 1's backwards, then chunk 0's
+            for chunk in (1, 0):
+                for x in group:
+                    chunks[chunk](x).backward()
+                reducer.reduce_chunk(chunk)
+        assert reducer.reductions == {0: 4, 1: 4}, step  # 2 buckets x 2 groups per chunk
+        reducer.finish()
+        for chunk in chunks:
+            ref = torch.autograd.grad(sum(chunk(x) for x in inputs), [chunk.weight, chunk.bias])
+            assert torch.allclose(chunk.weight.grad, ref[0]) and torch.allclose(chunk.bias.grad, ref[1])
 
 
 def test_a_step_must_end_with_every_chunks_last_reduction():

@@ -117,3 +117,41 @@ def test_a_receive_already_in_is_not_counted_as_a_wait():
     (_, none), (_, some) = arrived.wait(), late.wait()
     assert none == 0.0 and some >= 0.01
     assert arrived.work is None and late.work is None
+
+
+def _traced_events(ctx):
+    import megatron_pp.schedules.execute as execute
+
+    state = ctx.parallel_state(1, 2)
+    config = get_preset("gpt-tiny")
+    pipe = build_pipeline(config, state, build_schedule("1f1b", 2, 4), micro_batch_size=2, seed=3, trace=True)
+    original = execute.PipelineExecutor._post_batch
+    if state.pp_rank == 0:  # a slow first stage: the last stage blocks on every activation it receives
+        def slow_post(self, actions, first, end):
+            time.sleep(0.02)
+            return original(self, actions, first, end)
+
+        execute.PipelineExecutor._post_batch = slow_post
+    try:
+        data = MockData(3, config.seq_length, config.vocab_size, 2, 8, 1)
+        steps = [train_step(pipe, data.step_microbatches(s, 0))[0].events for s in range(2)]
+    finally:
+        execute.PipelineExecutor._post_batch = original
+    return state.pp_rank, steps
+
+
+def test_each_wait_slice_sits_inside_the_action_that_waited_once():
+    # The executor nests the time an action blocked on its input in that action's slice; a wait is reported
+    # once, by the action that waited, in the step it waited in.
+    for rank, steps in run_distributed(2, _traced_events):
+        for events in steps:
+            waits = 0
+            for (label, start, end), previous in zip(events[1:], events):
+                if label.startswith("wait "):
+                    waits += 1
+                    assert label == f"wait {previous[0]}" or previous[0].startswith("wait "), (label, previous)
+                    owner = next(e for e in reversed(events[:events.index((label, start, end))])
+                                 if not e[0].startswith("wait "))
+                    assert owner[1] <= start <= end <= owner[2] + 1e-6, (owner, (label, start, end))
+            if rank == 1:
+                assert 1 <= waits <= 4  # at most one per received activation (4 per step)

@@ -92,6 +92,19 @@ def test_settings_that_look_like_credentials_are_redacted(monkeypatch):
                     "eod_token": "<|endoftext|>"}
 
 
+def test_only_credential_variables_long_enough_to_be_one_redact_other_settings(monkeypatch):
+    # A path in an ordinary variable is not a secret; nor is a credential variable's value too short to be
+    # one ("1", "yes"), which would otherwise blank every setting that contains it.
+    monkeypatch.setenv("MEGATRON_PP_TEST_DATA_ROOT", "/datasets/corpus-v2")
+    monkeypatch.setenv("HF_TOKEN_SECRET", "yes")
+    monkeypatch.setenv("API_SECRET", "7chars!")  # one short of the 8 characters a secret needs
+    monkeypatch.setenv("S3_PASSWORD", "8chars!!")
+    safe = loggable_settings({"data_path": ["/datasets/corpus-v2/train"], "note": "yes", "seven": "7chars!",
+                              "other": "x8chars!!y"})
+    assert safe == {"data_path": ["/datasets/corpus-v2/train"], "note": "yes", "seven": "7chars!",
+                    "other": REDACTED}
+
+
 def test_wandb_key_never_reaches_any_output(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setenv("WANDB_MODE", "offline")  # never talk to a server from a test

@@ -98,3 +98,21 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--regenerate"]:
         sys.exit("usage: python -m tests.schedules.test_comm --regenerate")
     regenerate()
+
+
+def _visits(num_ranks, wakes):
+    """Ranks in the order a `Wakeups` hands them out; `wakes[rank]` are the ranks woken while `rank` is visited."""
+    order, wakeups = [], comm.Wakeups(num_ranks)
+    while (rank := wakeups.next()) is not None:
+        order.append(rank)
+        for woken in wakes.pop(rank, []):
+            wakeups.wake(woken)
+    return order
+
+
+def test_wakeups_visit_ranks_in_the_order_of_repeated_passes():
+    # Visiting rank 2 wakes rank 0, which waits for the next pass (rank 3 of this one comes first); visiting
+    # rank 3 wakes rank 1, which follows rank 0 in that pass, as a loop over ranks 0..p-1 would visit them.
+    assert _visits(4, {2: [0, 3], 3: [1]}) == [0, 1, 2, 3, 0, 1]
+    # A rank already queued is not queued twice; a rank waking itself runs again in the next pass.
+    assert _visits(3, {0: [2, 2], 1: [1]}) == [0, 1, 2, 1]

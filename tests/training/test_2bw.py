@@ -299,3 +299,36 @@ def test_executed_trace_overlaps_consecutive_steps(tmp_path):
     for t in range(steps - 2):
         step = by_name[(0, f"STEP@{t + 2}")]
         assert by_name[(0, f"F{(t + 1) * m}.0@{t + 1}")]["ts"] < step["ts"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_each_figure_of_the_metrics_sum_is_contributed_once(monkeypatch, device):
+    """2BW sums one vector over the world: the loss once per data-parallel replica (tensor-parallel rank 0
+    of the last stage), each stage's peaks once (tensor- and data-parallel rank 0's), the exit flags from
+    every rank. Checked for every rank of tp 3 x dp 3 x pp 2 with the collective stood in for; each rank
+    reports its own peaks, so the sum shows whose arrived."""
+    from types import SimpleNamespace
+
+    from megatron_pp.training import twobw
+
+    sent = []
+    monkeypatch.setattr(twobw.comm, "all_reduce_async",
+                        lambda values: sent.append(values) or SimpleNamespace(result=lambda: values))
+    steps = twobw.DeferredUpdateSteps.__new__(twobw.DeferredUpdateSteps)
+    total = torch.zeros(3 + 2 * 2, dtype=torch.float64)
+    for tp_rank in range(3):
+        for dp_rank in range(3):
+            for pp_rank in range(2):
+                rank_figure = 100 + pp_rank + 10 * tp_rank + 1000 * dp_rank
+                monkeypatch.setattr(twobw, "take_peak_memory", lambda dev, figure=rank_figure: 4 * figure)
+                state = SimpleNamespace(pp_size=2, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
+                                        device=torch.device(device))
+                steps.trainer = SimpleNamespace(state=state)
+                # Tensor-parallel ranks hold the same loss; replicas differ.
+                result = SimpleNamespace(loss_sum=torch.tensor(6.0 * (dp_rank + 1)) if pp_rank == 1 else None,
+                                         peak_stash_bytes=rank_figure)
+                flags = SimpleNamespace(local_flags=lambda: (tp_rank == 1 and dp_rank == 2, False))
+                steps._start_metrics(result, flags)
+                total += sent[-1]
+    memory = [400.0, 404.0] if device == "cuda" else [0.0, 0.0]
+    assert total.tolist() == [6.0 + 12.0 + 18.0, 2.0, 0.0, 100.0, 101.0, *memory]

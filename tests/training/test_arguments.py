@@ -537,3 +537,18 @@ def test_group_query_attention_needs_its_group_count_unless_a_preset_gives_it():
     assert errors_of(shape + ["--group-query-attention", "--num-query-groups", "2"]) == []
     assert errors_of(["--model-preset", "llama-tiny", "--mock-data", "--train-iters", "3",
                       "--group-query-attention"]) == []
+
+
+@pytest.mark.parametrize("world,tp,dp_batch", [(2, 1, (1, 1)), (4, 2, (1, 1)), (4, 1, (1, 2))],
+                         ids=["tp1-dp1", "tp2-dp1", "tp1-dp2"])
+def test_the_schedule_is_checked_at_the_jobs_own_size_down_to_one_of_everything(world, tp, dp_batch):
+    # Micro-batch 1, a global batch of one micro-batch per replica, dp and tp at their smallest: the sizes are
+    # right, so the job's own lists (m = 1) are built and 2BW's m >= p refused, not waved through at a
+    # nominal size the run does not have.
+    mbs, gbs = dp_batch
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", str(tp),
+                   "--pipeline-schedule", "2bw", "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)]
+    errors = validate_args(build_parser().parse_args(argv), world_size=world)
+    assert len(errors) == 1 and errors[0].startswith("2bw needs at least as many microbatches"), errors
+    doubled = argv[:-1] + [str(2 * gbs)]  # m = 2 = p: accepted
+    assert validate_args(build_parser().parse_args(doubled), world_size=world) == []
