@@ -1,6 +1,7 @@
 """The offload pass, its simulator model and validator rules (PipeOffload, arXiv 2503.01328, §4),
 and k feasibility (its Eq. 1)."""
 import dataclasses
+import sys
 import warnings
 
 import pytest
@@ -318,3 +319,14 @@ def test_plot_tool_needs_exactly_one_of_schedule_and_compare(tmp_path, capsys):
     tool = _plot_tool()
     assert tool.main(["--pp", "2", "--microbatches", "2", "--out", str(tmp_path / "x.png")]) == 2
     assert "give exactly one of --schedule, --compare and --pipeline-schedule-file" in capsys.readouterr().err
+
+
+def test_offload_warnings_point_at_the_line_that_planned():
+    # Like a library's warnings: the file and line shown are the caller's, not the planner's internals.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        plan_offload(gis(4, 8, 4, 1), 4, 3.0)
+    said = {str(w.message).split(":")[0]: (w.filename, w.lineno) for w in caught}
+    assert said == {"full offload is not free at --offload-time 3.0": (__file__, line),
+                    "offload keeps 11 stash(es) on the device": (__file__, line)}

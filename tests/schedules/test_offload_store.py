@@ -442,3 +442,78 @@ def test_a_store_that_offloads_nothing_reports_no_host_bytes():
     loss.backward()
     store.release(0)
     assert (store.peak_host_bytes, store.host_bytes, store.copied_bytes) == (0, 0, 0)
+
+
+def test_cuda_copies_run_after_their_sources_and_the_copy_they_follow(monkeypatch):
+    """The CUDA path without a GPU: streams, events and tensors stood in for, every call logged. A copy waits
+    on its side stream for an event recorded on the compute stream (its sources are written, its
+    destinations allocated) and for the ticket it must follow; an offloaded source is marked as used by the
+    copy stream, so the allocator does not hand its block out before the copy has run; the returned ticket
+    is an event recorded after the copies, which the backward's stream waits on."""
+    from megatron_pp.schedules import offload_store
+
+    log, names = [], iter(["out", "in"])
+
+    class Stream:
+        def __init__(self, device=None, name=None):
+            self.name = name or next(names)
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.name))
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            self.name = f"event{Event.made}"
+            Event.made += 1
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.name))
+
+        def query(self):
+            log.append(("query", self.name))
+            return True
+
+    class Tensor:
+        def __init__(self, name):
+            self.name = name
+
+        def copy_(self, src, non_blocking=False):
+            log.append(("copy", self.name, src.name, non_blocking))
+
+        def record_stream(self, stream):
+            log.append(("record_stream", self.name, stream.name))
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("enter", self.stream.name))
+
+        def __exit__(self, *exc):
+            log.append(("exit", self.stream.name))
+
+    compute = Stream(name="compute")
+    monkeypatch.setattr(offload_store.torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(offload_store.torch.cuda, "Event", Event)
+    monkeypatch.setattr(offload_store.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(offload_store.torch.cuda, "stream", StreamContext)
+    copies = offload_store.CudaCopies(torch.device("cuda", 0))
+    assert copies.frees_on_issue
+
+    out = copies.copy([(Tensor("host0"), Tensor("dev0")), (Tensor("host1"), Tensor("dev1"))], to_host=True)
+    assert log == [("record", "event0", "compute"), ("enter", "out"), ("wait", "out", "event0"),
+                   ("copy", "host0", "dev0", True), ("record_stream", "dev0", "out"),
+                   ("copy", "host1", "dev1", True), ("record_stream", "dev1", "out"),
+                   ("record", "event1", "out"), ("exit", "out")]
+    log.clear()
+    back = copies.copy([(Tensor("dev2"), Tensor("host0"))], to_host=False, after=out)
+    assert log == [("record", "event2", "compute"), ("enter", "in"), ("wait", "in", "event2"),
+                   ("wait", "in", "event1"), ("copy", "dev2", "host0", True), ("record", "event3", "in"),
+                   ("exit", "in")]
+    log.clear()
+    assert back.done() and log == [("query", "event3")]
+    back.wait()
+    assert log[1:] == [("wait", "compute", "event3")]
