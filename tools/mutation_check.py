@@ -1,6 +1,6 @@
 """Mutation check: plant small bugs in the modules that carry numbers and see whether the tests notice.
 
-    python tools/mutation_check.py --sample 40 --seed 13 --timeout 600 --out docs/results/mutation.json
+    python tools/mutation_check.py --sample 40 --seed 23 --timeout 900 --out docs/results/mutation_seed23.json
     python tools/mutation_check.py --only megatron_pp/core/grads.py:253:25:cmp   # re-run chosen mutants
     python tools/mutation_check.py --list                                         # count mutants per module
     python tools/mutation_check.py --annotate docs/results/mutation.json --notes docs/results/mutation_notes.json
