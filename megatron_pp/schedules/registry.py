@@ -143,8 +143,8 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks:
     entry = get_schedule(name)
     if num_chunks != 1 and not entry.supports_virtual:
         raise ValueError(f"pipeline schedule {entry.name!r} has no virtual stages, but {num_chunks} chunks per "
-                         "rank were requested (--num-layers-per-virtual-pipeline-stage); drop that flag or "
-                         "pick a schedule that supports it: "
+                         "rank were requested (--num-layers-per-virtual-pipeline-stage or "
+                         "--num-virtual-stages-per-pipeline-rank); drop that flag or pick a schedule that supports it: "
                          + ", ".join(e.name for e in registered_schedules() if e.supports_virtual))
     sizes = (num_ranks, num_microbatches, num_chunks) if entry.supports_virtual else (num_ranks, num_microbatches)
     try:

@@ -552,3 +552,38 @@ def test_the_schedule_is_checked_at_the_jobs_own_size_down_to_one_of_everything(
     assert len(errors) == 1 and errors[0].startswith("2bw needs at least as many microbatches"), errors
     doubled = argv[:-1] + [str(2 * gbs)]  # m = 2 = p: accepted
     assert validate_args(build_parser().parse_args(doubled), world_size=world) == []
+
+
+@pytest.mark.parametrize("virtual", [["--num-virtual-stages-per-pipeline-rank", "2"],
+                                     ["--num-layers-per-virtual-pipeline-stage", "1"]])
+def test_virtual_stages_for_a_schedule_without_them_name_the_flag_given(virtual):
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--pipeline-schedule", "1f1b"]
+    errors = validate_args(build_parser().parse_args(argv + virtual), world_size=2)
+    assert len(errors) == 1 and "'1f1b' has no virtual stages" in errors[0] and virtual[0] in errors[0], errors
+
+
+def test_every_registered_schedule_is_accepted_at_a_size_it_runs():
+    from megatron_pp.schedules.registry import registered_schedules
+
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    for entry in registered_schedules():
+        given = argv + ["--pipeline-schedule", entry.name]
+        if entry.supports_virtual and entry.chunks_per_rank is None:
+            given += ["--num-virtual-stages-per-pipeline-rank", "2"]
+        assert validate_args(build_parser().parse_args(given), world_size=2) == [], entry.name
+
+
+def test_a_schedule_file_decides_the_chunks_the_layers_must_divide_into(tmp_path):
+    import json
+
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.schedules.schedule_file import schedule_to_json
+
+    path = tmp_path / "gis.json"  # 2 ranks x 2 chunks: 4 stages
+    path.write_text(json.dumps(schedule_to_json(build_schedule("gis", 2, 4, 2))))
+    argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                   "--pipeline-schedule-file", str(path)]
+    for layers in ("4", "8"):
+        assert validate_args(build_parser().parse_args(argv + ["--num-layers", layers]), world_size=2) == []
+    errors = validate_args(build_parser().parse_args(argv + ["--num-layers", "6"]), world_size=2)
+    assert len(errors) == 1 and errors[0].startswith("--num-layers 6 is not divisible by 4 pipeline stages"), errors
