@@ -220,6 +220,9 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     if costs.stage_weights is not None and len(costs.stage_weights) != schedule.num_stages:
         raise ValueError(f"CostModel.stage_weights has {len(costs.stage_weights)} entries, schedule "
                          f"{schedule.name!r} has {schedule.num_stages} stages")
+    if costs.stash_bytes is not None and len(costs.stash_bytes) != schedule.num_stages:
+        raise ValueError(f"CostModel.stash_bytes has {len(costs.stash_bytes)} entries, schedule "
+                         f"{schedule.name!r} has {schedule.num_stages} stages")
     states = [_RankState() for _ in range(schedule.num_ranks)]
     pos = [0] * schedule.num_ranks
     sides_of, num_links = link_sides(schedule.actions)

@@ -116,3 +116,27 @@ def test_wakeups_visit_ranks_in_the_order_of_repeated_passes():
     assert _visits(4, {2: [0, 3], 3: [1]}) == [0, 1, 2, 3, 0, 1]
     # A rank already queued is not queued twice; a rank waking itself runs again in the next pass.
     assert _visits(3, {0: [2, 2], 1: [1]}) == [0, 1, 2, 1]
+
+
+def test_replay_work_counts_the_postings_a_rewrite_rolls_back():
+    # `replace` goes on from the current state instead of replaying from scratch; its cost (`work`) is the
+    # windows plus the rolled-back part. Swapping rank 0's first send with the next forward (1F1B, p 2, m 4)
+    # withdraws that send and everything after it on both ranks; the work must count each of those
+    # postings, or a replay that rolls back far would look cheaper than it is.
+    from megatron_pp.schedules.registry import build_schedule
+
+    actions = [list(acts) for acts in build_schedule("1f1b", 2, 4).actions]
+    replay = RendezvousReplay(actions)
+    assert replay.settle()
+    same = {0: (1, actions[0][1:3])}
+    replay.replace(same)  # a window equal to the list: nothing is rolled back
+    assert replay.pos == [len(acts) for acts in actions] and replay.settle()
+    window = [actions[0][2], actions[0][1]]  # F1 before SEND_F0: still a valid order
+    replay.replace({0: (1, list(actions[0][1:3]))})  # builds the peers' side indexes, which `work` also counts
+    before_pos, before_work = list(replay.pos), replay.work
+    replay.replace({0: (1, window)})
+    rolled_back = sum(b - a for a, b in zip(replay.pos, before_pos))
+    assert replay.pos[0] == 1 and replay.pos[1] == 0  # back to the swapped send, and rank 1 to its start
+    assert replay.work - before_work >= rolled_back + len(window)
+    assert replay.settle()  # and the rewritten lists still finish
+    assert [str(a) for a in replay.actions[0][:4]] == ["F0.0", "F1.0", "SEND_F0.0>1", "SEND_F1.0>1"]

@@ -130,3 +130,33 @@ def test_cost_model_rejects_bad_values():
         simulate(build_schedule("1f1b", 2, 2), CostModel(stage_weights=[1, 1, 1]))
     with pytest.raises(ValueError, match="negative duration -1.0 for F on stage 0"):
         simulate(build_schedule("1f1b", 2, 2), CostModel(measured=lambda op, stage: -1.0))
+
+
+def test_cost_model_keeps_its_own_copy_of_per_stage_lists():
+    # A caller that reuses its list (a planner sweeping stage weights) must not change a model already made,
+    # and models stay hashable values, as frozen dataclasses promise.
+    weights, stash = [1, 3], [2, 4]
+    model = CostModel(stage_weights=weights, stash_bytes=stash)
+    weights[1] = 100
+    stash[1] = 100
+    assert model.stage_weights == (1.0, 3.0) and model.stash_bytes == (2.0, 4.0)
+    assert hash(model) == hash(CostModel(stage_weights=(1.0, 3.0), stash_bytes=(2.0, 4.0)))
+    assert simulate(build_schedule("gpipe", 2, 1), model).makespan == pytest.approx(1 + 3 + 6 + 2)
+
+
+def test_a_measured_duration_of_zero_is_accepted():
+    # Zero is a real measurement (an empty stage, an op fused away); only a negative one is refused.
+    schedule = build_schedule("gpipe", 2, 1)
+    assert simulate(schedule, CostModel(measured={(Op.F, 1): 0.0})).makespan == pytest.approx(1 + 0 + 2 + 2)
+    assert simulate(schedule, CostModel(measured=lambda op, stage: 0.0)).makespan == 0.0
+
+
+def test_stash_bytes_has_one_entry_per_stage():
+    with pytest.raises(ValueError, match="stash_bytes has 1 entries, schedule '1f1b' has 2 stages"):
+        simulate(build_schedule("1f1b", 2, 2), CostModel(stash_bytes=[1.0]))
+    with pytest.raises(ValueError, match="stash_bytes has 3 entries, schedule '1f1b' has 2 stages"):
+        simulate(build_schedule("1f1b", 2, 2), CostModel(stash_bytes=[1.0, 1.0, 1.0]))
+    model = CostModel(stash_bytes=[3.0, 5.0])
+    assert [model.stash_size(stage) for stage in (0, 1)] == [3.0, 5.0]
+    with pytest.raises(ValueError, match="stash_bytes has 2 entries, no stage 2"):
+        model.stash_size(2)  # asked directly, past the end: named, not an IndexError
