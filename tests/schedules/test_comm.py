@@ -140,3 +140,16 @@ def test_replay_work_counts_the_postings_a_rewrite_rolls_back():
     assert replay.work - before_work >= rolled_back + len(window)
     assert replay.settle()  # and the rewritten lists still finish
     assert [str(a) for a in replay.actions[0][:4]] == ["F0.0", "F1.0", "SEND_F0.0>1", "SEND_F1.0>1"]
+
+
+def test_wakeups_restart_begins_a_new_round_in_rank_order():
+    # After a replay drains its wake-ups, the lists may change (BPipe's `replace`) and ranks are woken again:
+    # `restart` makes that a new round, visited in rank order, whichever rank the last round ended on.
+    wakeups = comm.Wakeups(4)
+    assert [wakeups.next() for _ in range(2)] == [0, 1]
+    wakeups.wake(0)  # woken by a higher rank: next pass
+    assert [wakeups.next() for _ in range(3)] == [2, 3, 0] and wakeups.next() is None
+    wakeups.restart()
+    for rank in (3, 0, 2):
+        wakeups.wake(rank)
+    assert [wakeups.next() for _ in range(3)] == [0, 2, 3] and wakeups.next() is None

@@ -160,3 +160,27 @@ def test_stash_bytes_has_one_entry_per_stage():
     assert [model.stash_size(stage) for stage in (0, 1)] == [3.0, 5.0]
     with pytest.raises(ValueError, match="stash_bytes has 2 entries, no stage 2"):
         model.stash_size(2)  # asked directly, past the end: named, not an IndexError
+
+
+def test_measured_function_also_times_the_stash_transfers():
+    # A measured function replaces the cost model entirely, host copies included (the table form is tested
+    # with PipeOffload's own figures): the transfer lanes are busy exactly its OFFLOAD + RELOAD time.
+    def measured(op, stage):
+        return {Op.F: 1.0, Op.B: 2.0, Op.OFFLOAD: 0.25, Op.RELOAD: 0.5}[op]
+
+    schedule = build_schedule("1f1b", 4, 8, offload_chunks=1)
+    result = simulate(schedule, CostModel(measured=measured))
+    copies = [(sum(a.op is Op.OFFLOAD for a in acts), sum(a.op is Op.RELOAD for a in acts))
+              for acts in schedule.actions]
+    assert copies[0] == (8, 8)
+    assert result.transfer_busy == pytest.approx([0.25 * out + 0.5 * back for out, back in copies])
+    assert result.busy == [24.0] * 4
+
+
+def test_a_transfer_time_of_zero_is_accepted_and_a_negative_one_named():
+    schedule = build_schedule("1f1b", 4, 8, offload_chunks=1)
+    free = simulate(schedule, CostModel(transfer=0.0))  # copies that cost nothing: the plain 1F1B time
+    assert free.transfer_busy == [0.0] * 4
+    assert free.makespan == simulate(build_schedule("1f1b", 4, 8)).makespan
+    with pytest.raises(ValueError, match="negative duration -0.5 for OFFLOAD on stage 0"):
+        simulate(schedule, CostModel(measured={(Op.OFFLOAD, 0): -0.5}))
