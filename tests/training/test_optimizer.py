@@ -309,3 +309,50 @@ def test_wsd_without_its_decay_length_names_the_flag_and_what_was_given():
     with pytest.raises(ValueError, match=r"--lr-decay-style WSD needs --lr-wsd-decay-iters in \[1, 100\] "
                                          r"\(decay end minus warmup\), got 0$"):
         LRSchedule.from_args(args)
+
+
+# Each check of LRSchedule at its boundary: the edge accepted, one step past it refused naming the flag ---------
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(lr=0.0), dict(lr=1e-3, min_lr=0.0), dict(lr=1e-3, min_lr=1e-3, decay_style="linear", decay_steps=2),
+    dict(lr=1e-3, warmup_steps=0, decay_style="linear", decay_steps=1),
+    dict(lr=1e-3, warmup_steps=4, decay_steps=5), dict(lr=1e-3, warmup_steps=4, decay_style="cosine", decay_steps=5),
+    dict(lr=1e-3, decay_style="WSD", warmup_steps=2, decay_steps=5, wsd_decay_steps=3),
+    dict(lr=1e-3, decay_style="WSD", decay_steps=5, wsd_decay_steps=1)],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_lr_schedule_accepts_each_edge(kwargs):
+    LRSchedule(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(lr=-0.5), "--lr must be >= 0, got -0.5"),
+    (dict(lr=1e-3, min_lr=-0.5), r"--min-lr -0.5 must be in \[0, --lr 0.001\]"),
+    (dict(lr=1e-3, warmup_steps=-1), "--lr-warmup-iters must be >= 0, got -1"),
+    (dict(lr=1e-3, warmup_steps=4, decay_steps=4), "--lr-warmup-iters 4 must be less than --lr-decay-iters"),
+    (dict(lr=1e-3, decay_style="linear", decay_steps=0), "--lr-decay-style linear needs --lr-decay-iters"),
+    (dict(lr=1e-3, decay_style="cosine"), r"needs --lr-decay-iters .* greater than --lr-warmup-iters 0, got None"),
+    (dict(lr=1e-3, decay_style="WSD", decay_steps=5), r"--lr-wsd-decay-iters in \[1, 5\] .*, got 0$"),
+    (dict(lr=1e-3, decay_style="WSD", warmup_steps=2, decay_steps=5, wsd_decay_steps=4),
+     r"--lr-wsd-decay-iters in \[1, 3\] .*, got 4$")],
+    ids=lambda v: v if isinstance(v, str) else None)
+def test_lr_schedule_refuses_one_step_past_each_edge(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LRSchedule(**kwargs)
+
+
+@pytest.mark.parametrize("given,by_samples", [
+    (dict(train_iters=10), False), (dict(train_samples=640), True), (dict(), False),
+    (dict(train_samples=640, lr_warmup_samples=64), True), (dict(train_iters=10, lr_warmup_iters=2), False)])
+def test_lr_schedule_counts_samples_only_for_a_sample_based_run(given, by_samples):
+    # Iterations unless the run is measured in samples (--train-samples without --train-iters) or a *-samples
+    # LR flag is given; a run with no length at all (a constant LR) counts iterations.
+    args = argparse.Namespace(**{"lr": 1e-3, "train_iters": None, "train_samples": None, **given})
+    assert LRSchedule.from_args(args).by_samples is by_samples
+
+
+def test_lr_at_the_edges_of_its_positions():
+    one = LRSchedule(lr=1e-3, warmup_steps=1, decay_style="linear", decay_steps=3)
+    assert lrs(one, [0, 1, 2, 3, 4]) == pytest.approx([0.0, 1e-3, 5e-4, 0.0, 0.0])  # a warm-up of one step
+    with pytest.raises(ValueError, match="LR schedule position must be >= 0, got -1"):
+        one.learning_rate(-1)
