@@ -90,7 +90,6 @@ class TrainingState:
     config: TransformerConfig
     schedule_name: str
     optimizer: Optional[Stateful] = None
-    lr_schedule: Optional[Stateful] = None
     optimizer_sharded_by_dp: bool = False
     """True with the distributed optimizer: each dp rank then saves and loads its own optimizer file."""
 
@@ -310,8 +309,7 @@ def save_checkpoint(
                 _save_file({"model": chunk.state_dict()}, os.path.join(tmp, model_file(stage, coords.tp)))
         if save_optimizer and train.optimizer is not None and (coords.dp == 0 or train.optimizer_sharded_by_dp):
             _save_file(
-                {"optimizer": train.optimizer.state_dict(),
-                 "lr_schedule": train.lr_schedule.state_dict() if train.lr_schedule is not None else None},
+                {"optimizer": train.optimizer.state_dict()},
                 os.path.join(tmp, optimizer_file(coords.pp, coords.tp, coords.dp)),
             )
         _save_file({"rng": capture_rng_state(), "schedule_state": schedule_state or {}},
@@ -477,8 +475,6 @@ def _restore(root: str, train: TrainingState, load_optimizer: bool, load_rng: bo
         dp = coords.dp if train.optimizer_sharded_by_dp else 0
         saved = load_shard(os.path.join(directory, optimizer_file(coords.pp, coords.tp, dp)), device)
         train.optimizer.load_state_dict(saved["optimizer"])
-        if train.lr_schedule is not None and saved["lr_schedule"] is not None:
-            train.lr_schedule.load_state_dict(saved["lr_schedule"])
     if finetune:
         return Resume(0, 0, {}, directory)
     schedule_state: dict = {}
