@@ -55,10 +55,11 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/schedules/offload.py": ["tests/schedules/test_offload.py"],
     "megatron_pp/schedules/bpipe.py": ["tests/schedules/test_bpipe.py"],
     "megatron_pp/schedules/twobw.py": [SIZES, "tests/schedules/test_2bw.py"],
-    # BPipe's parking links and its acceptor's side (add_hosting) are inserted here too.
+    # BPipe's parking links and its acceptor's side (add_hosting) are inserted here too; the V shapes are the
+    # lists that send both ways on one link (SEND_F and SEND_B sharing its counter).
     "megatron_pp/schedules/comm.py": ["tests/schedules/test_comm.py", "tests/schedules/test_validate.py",
                                       "tests/schedules/test_generators.py", "tests/schedules/test_gis.py",
-                                      "tests/schedules/test_bpipe.py"],
+                                      "tests/schedules/test_bpipe.py", "tests/schedules/test_vshape.py"],
     # 2BW's lists are the only ones that live through more than two weight versions.
     "megatron_pp/schedules/validate.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py",
                                           "tests/schedules/test_looped.py", "tests/schedules/test_2bw.py"],

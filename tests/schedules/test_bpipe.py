@@ -333,11 +333,17 @@ def test_hosting_repairs_cost_what_they_move_not_a_replay_each(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(bpipe_module, "RendezvousReplay", Recording)
-    per_action = []
+    per_action, totals = [], []
     for p in (16, 32):
         made.clear()
         built = insert_communication(add_bpipe(one_f_one_b(p, 2 * p), 3))
         validate(built)
-        per_action.append(sum(r.work for r in made) / sum(map(len, built.actions)))
+        totals.append(sum(r.work for r in made))
+        per_action.append(totals[-1] / sum(map(len, built.actions)))
     assert max(per_action) <= 4, per_action
     assert per_action[1] <= 1.2 * per_action[0], per_action
+    # Pinned, as test_comm.py pins the plain replay's: a change to what a repair rolls back or counts shows here.
+    assert totals == PINNED_REPAIR_WORK, totals
+
+
+PINNED_REPAIR_WORK = [9888, 43208]  # p = 16 and 32
