@@ -181,7 +181,7 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     opt.add_argument("--adam-beta1", type=float, default=0.9)
     opt.add_argument("--adam-beta2", type=float, default=0.999)
     opt.add_argument("--adam-eps", type=float, default=1e-8)
-    opt.add_argument("--sgd-momentum", type=float, default=0.0)
+    opt.add_argument("--sgd-momentum", type=float, default=0.9)
     opt.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0: off).")
 
     mp = parser.add_argument_group("mixed precision")

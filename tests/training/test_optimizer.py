@@ -356,3 +356,13 @@ def test_lr_at_the_edges_of_its_positions():
     assert lrs(one, [0, 1, 2, 3, 4]) == pytest.approx([0.0, 1e-3, 5e-4, 0.0, 0.0])  # a warm-up of one step
     with pytest.raises(ValueError, match="LR schedule position must be >= 0, got -1"):
         one.learning_rate(-1)
+
+
+def test_the_parsers_defaults_are_the_configs():
+    # Two places hold the defaults (the flags and the dataclass that tools and tests build directly): a run
+    # without optimizer flags and an OptimizerConfig() must be the same optimizer, Megatron-LM's defaults.
+    from megatron_pp.training.arguments import build_parser
+
+    assert OptimizerConfig.from_args(build_parser().parse_args([])) == OptimizerConfig()
+    assert (OptimizerConfig().sgd_momentum, OptimizerConfig().initial_loss_scale, OptimizerConfig().hysteresis) == (
+        0.9, 2.0**32, 2)
