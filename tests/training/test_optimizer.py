@@ -366,3 +366,34 @@ def test_the_parsers_defaults_are_the_configs():
     assert OptimizerConfig.from_args(build_parser().parse_args([])) == OptimizerConfig()
     assert (OptimizerConfig().sgd_momentum, OptimizerConfig().initial_loss_scale, OptimizerConfig().hysteresis) == (
         0.9, 2.0**32, 2)
+
+
+@pytest.mark.parametrize("edge,past,message", [
+    (dict(lr=0.0), dict(lr=-0.01), "--lr must be >= 0, got -0.01"),
+    (dict(weight_decay=0.0), dict(weight_decay=-0.01), "--weight-decay must be >= 0"),
+    (dict(clip_grad=0.0), dict(clip_grad=-0.01), "--clip-grad must be >= 0"),
+    (dict(sgd_momentum=0.0), dict(sgd_momentum=-0.01), "--sgd-momentum must be >= 0"),
+    (dict(adam_beta1=0.0), dict(adam_beta1=-0.01), r"--adam-beta1 must be in \[0, 1\), got -0.01"),
+    (dict(adam_beta2=0.9999), dict(adam_beta2=1.0), r"--adam-beta2 must be in \[0, 1\), got 1.0"),
+    (dict(adam_eps=1e-30), dict(adam_eps=0.0), "--adam-eps must be > 0, got 0.0"),
+    (dict(adam_eps=1e-30), dict(adam_eps=-0.5), "--adam-eps must be > 0, got -0.5"),
+    (dict(fp16=True, loss_scale=0.5), dict(fp16=True, loss_scale=0.0), "--loss-scale must be > 0, got 0.0"),
+    (dict(fp16=True, loss_scale=1.0), dict(fp16=True, loss_scale=-1.0), "--loss-scale must be > 0"),
+    (dict(min_loss_scale=4.0, initial_loss_scale=4.0), dict(min_loss_scale=0.0), r"--min-loss-scale 0.0 must be in \(0,"),
+    (dict(loss_scale_window=1), dict(loss_scale_window=0), "--loss-scale-window must be >= 1, got 0"),
+    (dict(hysteresis=1), dict(hysteresis=0), "--hysteresis must be >= 1, got 0"),
+    (dict(bucket_bytes=1), dict(bucket_bytes=0), "--bucket-bytes must be >= 1, got 0"),
+    (dict(use_distributed_optimizer=True, data_parallel_sharding_strategy="optim"),
+     dict(data_parallel_sharding_strategy="optim"), "--data-parallel-sharding-strategy optim shards the optimizer"),
+    (dict(data_parallel_sharding_strategy="no_shard"), dict(data_parallel_sharding_strategy="full"),
+     "--data-parallel-sharding-strategy 'full' is not one of no_shard, optim, optim_grads_params$"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_optimizer_config_accepts_each_edge_and_refuses_one_step_past_it(edge, past, message):
+    OptimizerConfig(**edge)
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**past)
+
+
+def test_optimizer_config_lists_every_problem_at_once():
+    with pytest.raises(ValueError, match="^--optimizer 'lamb' is not one of adam, sgd; --adam-eps must be > 0, got 0.0$"):
+        OptimizerConfig(optimizer="lamb", adam_eps=0.0)
