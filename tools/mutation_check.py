@@ -84,7 +84,7 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/schedules/offload_store.py": ["tests/schedules/test_offload_store.py",
                                                "tests/schedules/test_offload_exec.py"],
     "megatron_pp/schedules/peer_store.py": ["tests/schedules/test_bpipe_exec.py"],
-    "megatron_pp/core/grads.py": ["tests/core/test_grad_reduce.py", "tests/core/test_shards_dp3.py",
+    "megatron_pp/core/grads.py": ["tests/core/test_coalesced.py", "tests/core/test_grad_reduce.py", "tests/core/test_shards_dp3.py",
                                   "tests/core/test_main_grad.py", EDGES,
                                   "tests/core/test_grad_norm.py"],
     "megatron_pp/core/distributed_optimizer.py": ["tests/training/test_optimizer.py", EDGES],
