@@ -37,6 +37,18 @@ def test_backoff_stops_at_the_minimum_and_static_scale_never_moves():
     assert scales_after(LossScaler(128.0, dynamic=False, window=1), "x..x.") == [128] * 5
 
 
+def test_a_fresh_scaler_grows_after_exactly_one_window():
+    assert scales_after(LossScaler(8.0, hysteresis=2, window=3), "......") == [8, 8, 16, 16, 16, 32]
+    assert scales_after(LossScaler(8.0, hysteresis=2, window=1), "..x") == [16, 32, 32]  # hysteresis 2 absorbs x
+
+
+def test_the_scalers_defaults_are_the_configs():
+    # Tools and tests build a LossScaler directly; its defaults must be the run's (Megatron-LM's).
+    config, scaler = OptimizerConfig(), LossScaler(2.0**16)
+    assert (scaler.window, scaler.hysteresis, scaler.min_scale, scaler.dynamic) == (
+        config.loss_scale_window, config.hysteresis, config.min_loss_scale, True)
+
+
 def test_scaler_state_round_trip():
     a = LossScaler(64.0, hysteresis=3, window=4)
     scales_after(a, "..x")
