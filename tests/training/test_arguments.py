@@ -587,3 +587,21 @@ def test_a_schedule_file_decides_the_chunks_the_layers_must_divide_into(tmp_path
         assert validate_args(build_parser().parse_args(argv + ["--num-layers", layers]), world_size=2) == []
     errors = validate_args(build_parser().parse_args(argv + ["--num-layers", "6"]), world_size=2)
     assert len(errors) == 1 and errors[0].startswith("--num-layers 6 is not divisible by 4 pipeline stages"), errors
+
+
+@pytest.mark.parametrize("sizes", [["--micro-batch-size", "0"], ["--global-batch-size", "3", "--micro-batch-size", "2"]])
+def test_a_schedule_option_that_does_not_apply_is_named_beside_wrong_sizes(sizes):
+    # The sizes' own errors do not hide the flag's: the user fixes both in one go.
+    errors = errors_of(BASE + ["--pipeline-schedule", "1f1b", "--microbatch-group-size-per-vp-stage", "4", *sizes])
+    assert len(errors) == 2
+    assert errors[1].startswith("--microbatch-group-size-per-vp-stage does not apply to --pipeline-schedule 1f1b")
+
+
+def test_a_world_the_parallel_sizes_do_not_divide_reports_only_that():
+    # Without a data-parallel size there is no job size: the schedule's own size checks (2BW's m >= p here,
+    # which a right world would report) must not run on a made-up one.
+    args = build_parser().parse_args(BASE + ["--pipeline-schedule", "2bw", "--pipeline-model-parallel-size", "2",
+                                             "--global-batch-size", "1"])
+    assert validate_args(args, world_size=3) == [
+        "world size 3 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2"]
+    assert validate_args(args, world_size=2)[0].startswith("2bw needs at least as many microbatches")
