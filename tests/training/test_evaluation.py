@@ -61,3 +61,16 @@ def test_every_schedule_evaluates_like_one_process(tmp_path, reference, layout):
         train, train_ref = [r["loss"] for r in rows if "loss" in r], [r["loss"] for r in reference if "loss" in r]
         for a, b in zip(train, train_ref):
             assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_data_parallel_ranks_split_the_validation_batches_and_sum_them(reference):
+    # dp = 2: each replica evaluates half of every global batch; the validation loss is the token-weighted
+    # mean over both halves (summed across replicas), the single-process loss.
+    rows = run_distributed(2, _rows, COMMON + ["--pipeline-model-parallel-size", "1"])[0]
+    expected = [r["eval_loss"] for r in reference if "eval_loss" in r]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(evals) == len(expected) == 2
+    for a, b in zip(evals, expected):
+        assert abs(a - b) <= 1e-5 * abs(b), (evals, expected)
+    tokens = [r["eval_tokens"] for r in rows if "eval_tokens" in r]
+    assert tokens == [r["eval_tokens"] for r in reference if "eval_tokens" in r]
