@@ -347,3 +347,18 @@ def test_hosting_repairs_cost_what_they_move_not_a_replay_each(monkeypatch):
 
 
 PINNED_REPAIR_WORK = [9888, 43208]  # p = 16 and 32
+
+
+@pytest.mark.parametrize("weights", [[1, 1, 1, 1], [1, 1, 4, 4], [4, 4, 1, 1], [1, 3, 1, 3], [6, 1, 1, 1]])
+def test_a_parking_copy_starts_no_earlier_than_its_partner_posts(weights):
+    # EVICT and LOAD are rendezvous: the copy cannot start before the acceptor has posted its ACCEPT or
+    # RETURN, however early the evicting rank is free; with unequal stages the acceptor is often the later.
+    result = simulate(build_schedule("bpipe", 4, 8), CostModel(stage_weights=weights))
+    posted = {(a.op, a.peer, a.microbatch, a.chunk): start
+              for timeline in result.timeline for a, start, _ in timeline if a.op in (Op.ACCEPT, Op.RETURN)}
+    copies = [(rank, a, start) for rank, timeline in enumerate(result.timeline) for a, start, _ in timeline
+              if a.op in (Op.EVICT, Op.LOAD)]
+    assert len(copies) == 10
+    for rank, a, start in copies:
+        partner_op = Op.ACCEPT if a.op is Op.EVICT else Op.RETURN
+        assert start >= posted[partner_op, rank, a.microbatch, a.chunk], (rank, str(a))
