@@ -605,3 +605,12 @@ def test_a_world_the_parallel_sizes_do_not_divide_reports_only_that():
     assert validate_args(args, world_size=3) == [
         "world size 3 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2"]
     assert validate_args(args, world_size=2)[0].startswith("2bw needs at least as many microbatches")
+
+
+@pytest.mark.parametrize("pp", ["1", "2"])
+def test_what_a_schedule_refuses_is_named_beside_wrong_sizes_at_any_pipeline_size(pp):
+    # With wrong sizes the schedule is built at a size it accepts, to read what it needs: at pp 1 too.
+    errors = errors_of(BASE + ["--pipeline-schedule", "2bw", "--use-distributed-optimizer", "--micro-batch-size",
+                               "0", "--pipeline-model-parallel-size", pp])
+    assert errors[0] == "--micro-batch-size must be >= 1, got 0"
+    assert errors[-1].endswith("--use-distributed-optimizer is not supported with it")
