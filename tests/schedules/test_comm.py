@@ -162,3 +162,14 @@ def test_wakeups_restart_begins_a_new_round_in_rank_order():
     for rank in (3, 0, 2):
         wakeups.wake(rank)
     assert [wakeups.next() for _ in range(3)] == [0, 2, 3] and wakeups.next() is None
+
+
+def test_a_stuck_replay_names_only_the_ranks_that_did_not_finish():
+    from megatron_pp.schedules.ir import Action
+
+    lists = [[Action.parse(t) for t in text.split()] for text in
+             ("F0.0 SEND_F0.0>1", "RECV_F0.0<0 F0.0 RECV_B0.0<2", "RECV_F0.0<1 F0.0")]
+    replay = RendezvousReplay(lists)
+    blocked = replay.run()
+    assert [(b.rank, b.index) for b in blocked] == [(1, 2), (2, 0)]  # rank 0 finished: not listed
+    assert blocked[0].describe() == "rank 1, action 2: blocked on RECV_B0.0<2 (action 2)"
