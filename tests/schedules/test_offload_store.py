@@ -517,3 +517,18 @@ def test_cuda_copies_run_after_their_sources_and_the_copy_they_follow(monkeypatc
     assert back.done() and log == [("query", "event3")]
     back.wait()
     assert log[1:] == [("wait", "compute", "event3")]
+
+
+@pytest.mark.parametrize("min_numel, moved", [(32 * 64 - 1, 2), (32 * 64, 0)])
+def test_a_storage_moves_only_when_larger_than_min_numel(min_numel, moved):
+    # x and y are 32 x 64 = 2048 elements each: kept at min_numel 2048 (not larger), moved at 2047.
+    store = OffloadStore(min_numel=min_numel)
+    w, x, y, loss = _stash_one(store)
+    store.offload(0, private=[x])
+    store.poll()
+    assert store.copied_bytes == moved * 32 * 64 * 4
+    store.reload(0)
+    loss.backward()
+    ref_w, ref_x = _reference_grads()
+    assert torch.equal(w.grad, ref_w) and torch.equal(x.grad, ref_x)
+    store.release(0)
