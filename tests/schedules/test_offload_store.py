@@ -532,3 +532,20 @@ def test_a_storage_moves_only_when_larger_than_min_numel(min_numel, moved):
     ref_w, ref_x = _reference_grads()
     assert torch.equal(w.grad, ref_w) and torch.equal(x.grad, ref_x)
     store.release(0)
+
+
+def test_releasing_a_reloading_stash_that_nothing_read_waits_for_its_copy_back():
+    # Its host buffer goes back to the pool, so the copy back that reads it must have run first; a forward-only
+    # use (or a backward that needs none of its tensors) never unpacks to wait.
+    engine = DeferredCopies()
+    store = OffloadStore(copies=engine)
+    w, x, y, loss = _stash_one(store)
+    store.offload(0, private=[x])
+    engine.run_all()
+    store.poll()
+    store.reload(0)
+    assert store.state(0) is StashState.RELOADING and engine.waits == 0
+    store.release(0)
+    assert engine.waits == 1 and engine.issued[-1].completed
+    assert not torch.isnan(x.detach()).any()  # the copy back filled x's storage again
+    assert store.host_bytes == 0 and store.live_bytes == 0
