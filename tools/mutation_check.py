@@ -60,9 +60,11 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/schedules/comm.py": ["tests/schedules/test_comm.py", "tests/schedules/test_validate.py",
                                       "tests/schedules/test_generators.py", "tests/schedules/test_gis.py",
                                       "tests/schedules/test_bpipe.py", "tests/schedules/test_vshape.py"],
-    # 2BW's lists are the only ones that live through more than two weight versions.
+    # 2BW's lists are the only ones that live through more than two weight versions; the parking links' rules
+    # are tested on BPipe's lists.
     "megatron_pp/schedules/validate.py": ["tests/schedules/test_validate.py", "tests/schedules/test_generators.py",
-                                          "tests/schedules/test_looped.py", "tests/schedules/test_2bw.py"],
+                                          "tests/schedules/test_looped.py", "tests/schedules/test_2bw.py",
+                                          "tests/schedules/test_bpipe.py"],
     # Stash transfers (OFFLOAD/RELOAD, EVICT/LOAD) are timed only in the PipeOffload and BPipe tests.
     "megatron_pp/schedules/simulate.py": ["tests/schedules/test_simulate.py",
                                           "tests/schedules/test_simulate_properties.py",

@@ -352,7 +352,8 @@ PINNED_REPAIR_WORK = [9888, 43208]  # p = 16 and 32
 @pytest.mark.parametrize("weights", [[1, 1, 1, 1], [1, 1, 4, 4], [4, 4, 1, 1], [1, 3, 1, 3], [6, 1, 1, 1]])
 def test_a_parking_copy_starts_no_earlier_than_its_partner_posts(weights):
     # EVICT and LOAD are rendezvous: the copy cannot start before the acceptor has posted its ACCEPT or
-    # RETURN, however early the evicting rank is free; with unequal stages the acceptor is often the later.
+    # RETURN, however early the evicting rank is free. At equal costs (checked above) the evicting rank is
+    # always the later one; with unequal stages the acceptor often is, and the copy must wait for it.
     result = simulate(build_schedule("bpipe", 4, 8), CostModel(stage_weights=weights))
     posted = {(a.op, a.peer, a.microbatch, a.chunk): start
               for timeline in result.timeline for a, start, _ in timeline if a.op in (Op.ACCEPT, Op.RETURN)}
