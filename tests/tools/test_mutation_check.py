@@ -72,3 +72,16 @@ def test_a_mutant_that_breaks_the_import_of_a_test_named_by_node_id_is_killed(tm
     monkeypatch.setitem(mutation_check.COVERING, "toy.py", ["test_toy.py::test_missing"])
     with pytest.raises(RuntimeError, match="pytest exited 4"):
         mutation_check.check(str(tmp_path), [drop], timeout=120, log=lambda _: None)
+
+
+def test_every_module_and_covering_test_exists():
+    # A renamed test file would leave its module's mutants with fewer tests, silently; pytest would also
+    # stop at a missing path and count every mutant of the module as killed.
+    for module, tests in mutation_check.COVERING.items():
+        assert os.path.isfile(os.path.join(ROOT, module)), module
+        for test in tests:
+            path, _, name = test.partition("::")
+            assert os.path.isfile(os.path.join(ROOT, path)), test
+            if name:
+                with open(os.path.join(ROOT, path)) as f:
+                    assert f"def {name.split('[')[0]}(" in f.read(), test
