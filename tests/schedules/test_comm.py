@@ -173,3 +173,20 @@ def test_a_stuck_replay_names_only_the_ranks_that_did_not_finish():
     blocked = replay.run()
     assert [(b.rank, b.index) for b in blocked] == [(1, 2), (2, 0)]  # rank 0 finished: not listed
     assert blocked[0].describe() == "rank 1, action 2: blocked on RECV_B0.0<2 (action 2)"
+
+
+def test_a_rewrite_that_extends_the_batch_a_rank_waits_in_rolls_it_back():
+    # Rank 0 waits in the batch [SEND_F0] for rank 1, which waits in [SEND_B0] for rank 0's RECV_B0: a
+    # deadlock. Moving RECV_B0 ahead of F1 puts it right at the end of rank 0's batch, so it joins it: the
+    # batch must be posted again as [SEND_F0, RECV_B0] (rolled back, though nothing at the change was
+    # posted), and then both ranks finish, as a fresh replay of the new lists does.
+    from megatron_pp.schedules.ir import Action
+
+    lists = [[Action.parse(t) for t in text.split()] for text in
+             ("SEND_F0.0>1 F1.0 RECV_B0.0<1", "SEND_B0.0>0 F0.0 RECV_F0.0<0")]
+    replay = RendezvousReplay([list(acts) for acts in lists])
+    assert not replay.settle()
+    assert [(b.rank, b.index) for b in replay.blocked()] == [(0, 0), (1, 0)]
+    replay.replace({0: (1, [lists[0][2], lists[0][1]])})
+    assert replay.settle()
+    assert RendezvousReplay([list(acts) for acts in replay.actions]).settle()
