@@ -549,3 +549,20 @@ def test_releasing_a_reloading_stash_that_nothing_read_waits_for_its_copy_back()
     assert engine.waits == 1 and engine.issued[-1].completed
     assert not torch.isnan(x.detach()).any()  # the copy back filled x's storage again
     assert store.host_bytes == 0 and store.live_bytes == 0
+
+
+@pytest.mark.parametrize("numel, moved", [(1024, False), (1025, True)])
+def test_by_default_storages_of_more_than_1024_elements_move(numel, moved):
+    # The executor builds its store with the default threshold: smaller storages are not worth a copy.
+    store = OffloadStore()
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    store.plan([0])
+    with store.stash(0):
+        loss = x.exp().sum()  # exp saves its output: one storage of `numel` elements
+    store.offload(0)
+    store.poll()
+    assert store.copied_bytes == (numel * 4 if moved else 0)
+    store.reload(0)
+    loss.backward()
+    assert torch.equal(x.grad, x.detach().exp())
+    store.release(0)
