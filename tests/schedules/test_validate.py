@@ -222,3 +222,15 @@ def test_all_registered_builtins_validate_with_split_backward():
     s = insert_communication(dataclasses.replace(base, actions=split))
     validate(s)
     assert "BI0.0 SEND_B0.0>1 BW0.0" in " ".join(map(str, s.actions[2]))
+
+
+@pytest.mark.parametrize("peer", [0, 4])
+def test_a_parking_transfer_must_name_another_rank_of_the_pipeline(peer):
+    # EVICT/LOAD have no neighbouring stage to check their peer against: the range rule is theirs alone.
+    schedule = build_schedule("bpipe", 4, 8)
+    lists = [list(acts) for acts in schedule.actions]
+    i = next(i for i, a in enumerate(lists[0]) if a.op is Op.EVICT)
+    lists[0][i] = dataclasses.replace(lists[0][i], peer=peer)
+    with pytest.raises(ScheduleError, match=rf"rank 0, action {i} \(EVICT3.0>{peer}\): peer {peer} is not another "
+                                            "rank of 4$"):
+        validate(dataclasses.replace(schedule, actions=lists))
