@@ -614,3 +614,11 @@ def test_what_a_schedule_refuses_is_named_beside_wrong_sizes_at_any_pipeline_siz
                                "0", "--pipeline-model-parallel-size", pp])
     assert errors[0] == "--micro-batch-size must be >= 1, got 0"
     assert errors[-1].endswith("--use-distributed-optimizer is not supported with it")
+
+
+def test_the_model_shape_is_checked_at_the_runs_own_tensor_parallel_size():
+    # Three heads split over one tensor-parallel rank, not over two: fine at tp 1, refused at tp 2.
+    odd_heads = BASE + ["--num-attention-heads", "3", "--hidden-size", "48"]
+    assert errors_of(odd_heads) == []
+    assert "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2" in errors_of(
+        odd_heads + ["--tensor-model-parallel-size", "2"])
