@@ -122,6 +122,23 @@ def test_a_short_window_judges_from_two_losses_on():
     assert log and log[0].startswith("warning: loss spike at iteration 3: 40.0000 is 10.3x the median 3.9000")
 
 
+def test_a_window_judges_once_half_of_it_is_filled():
+    # Half of a window of 8 is 4: the fifth step is the first judged, against the median of four.
+    fake, log = _spike_checker(3.0, 8)
+    rows = [{"iteration": i + 1, "loss": loss, "skipped": False} for i, loss in enumerate([4.0, 3.8, 3.9, 4.1, 40.0])]
+    assert all(Trainer.check_numerics(fake, row) is None for row in rows)
+    assert [r["loss_spike"] for r in rows] == [False, False, False, False, True]
+    assert log and log[0].startswith("warning: loss spike at iteration 5: 40.0000 is 10.1x the median 3.9500")
+
+
+def test_a_window_shorter_than_four_still_needs_two_losses():
+    # Half of a window of 3 is 1, but one loss is no median: the second step is not judged, the third is.
+    fake, log = _spike_checker(3.0, 3)
+    rows = [{"iteration": i + 1, "loss": loss, "skipped": False} for i, loss in enumerate([4.0, 40.0, 400.0])]
+    assert all(Trainer.check_numerics(fake, row) is None for row in rows)
+    assert [r["loss_spike"] for r in rows] == [False, False, True]
+
+
 def test_a_finite_step_ends_the_streak_and_nonfinite_losses_stay_out_of_the_spike_window():
     # Limit 2: isolated bad steps never stop the run; two in a row do, on the second, and say how many.
     fake, log = _spike_checker(3.0, 4)
