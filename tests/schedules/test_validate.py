@@ -234,3 +234,14 @@ def test_a_parking_transfer_must_name_another_rank_of_the_pipeline(peer):
     with pytest.raises(ScheduleError, match=rf"rank 0, action {i} \(EVICT3.0>{peer}\): peer {peer} is not another "
                                             "rank of 4$"):
         validate(dataclasses.replace(schedule, actions=lists))
+
+
+def test_a_second_weight_gradient_of_one_microbatch_is_refused():
+    # Split backward: BW adds the weight gradient once; a repeated BW would add it twice, silently.
+    schedule = build_schedule("zb-h1", 2, 4)
+    lists = [list(acts) for acts in schedule.actions]
+    i = next(i for i, a in enumerate(lists[0]) if a.op is Op.BW)
+    lists[0].insert(i + 1, lists[0][i])
+    with pytest.raises(ScheduleError, match=rf"rank 0, action {i + 1} \(BW0.0\): second weight-gradient of this "
+                                            rf"microbatch and chunk \(first at action {i}\)$"):
+        validate(dataclasses.replace(schedule, actions=lists))
