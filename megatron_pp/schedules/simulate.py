@@ -217,12 +217,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     precise diagnosis.
     """
     costs = CostModel() if costs is None else costs
-    if costs.stage_weights is not None and len(costs.stage_weights) != schedule.num_stages:
-        raise ValueError(f"CostModel.stage_weights has {len(costs.stage_weights)} entries, schedule "
-                         f"{schedule.name!r} has {schedule.num_stages} stages")
-    if costs.stash_bytes is not None and len(costs.stash_bytes) != schedule.num_stages:
-        raise ValueError(f"CostModel.stash_bytes has {len(costs.stash_bytes)} entries, schedule "
-                         f"{schedule.name!r} has {schedule.num_stages} stages")
+    for name in ("stage_weights", "stash_bytes"):  # one entry per global stage
+        per_stage = getattr(costs, name)
+        if per_stage is not None and len(per_stage) != schedule.num_stages:
+            raise ValueError(f"CostModel.{name} has {len(per_stage)} entries, schedule {schedule.name!r} has "
+                             f"{schedule.num_stages} stages")
     states = [_RankState() for _ in range(schedule.num_ranks)]
     pos = [0] * schedule.num_ranks
     sides_of, num_links = link_sides(schedule.actions)

@@ -6,6 +6,8 @@ call is recorded), so the bucketing arithmetic is checked at sizes no multi-rank
 default bucket (40 MiB) is larger than any tiny model's gradient."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -82,8 +84,6 @@ def _modules():
 
 
 def test_global_norm_counts_each_parameter_once_and_sums_over_model_parallel_ranks(dist3):
-    from types import SimpleNamespace
-
     modules = _modules()
     a, b = modules
     every = torch.cat([p.grad.reshape(-1) for p in (*a.parameters(), b.weight)])
@@ -111,8 +111,6 @@ def test_clipping_scales_only_above_the_limit(max_norm, norm, scaled):
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_global_norm_sums_over_a_model_parallel_group_only_when_it_has_peers(monkeypatch, size):
-    from types import SimpleNamespace
-
     stand_in = StandIn(size)
     monkeypatch.setattr(grads, "dist", stand_in)
     modules = _modules()
