@@ -241,6 +241,21 @@ def test_distributed_optimizer_is_refused(capsys):
         run_distributed(4, _rows_unvalidated, argv, 2)
 
 
+def test_sample_based_lr_schedule_gives_each_update_the_plain_schedules_lr():
+    """With --train-samples the LR is a function of the samples consumed once the batch is in: 2BW, whose
+    update of batch t runs after batch t+1 has started, must still use batch t's position."""
+    samples = ["--train-samples", "24", "--lr-warmup-samples", "8", "--lr-decay-samples", "24",
+               "--lr-decay-style", "linear", "--min-lr", "0"]
+    argv = _argv("gpt-tiny", 1, 2, "sgd")
+    at = argv.index("--train-iters")
+    argv = argv[:at] + argv[at + 2:] + samples
+    two_bw = run_distributed(1, _rows, argv, 1)[0]
+    plain = run_distributed(1, _rows, argv + ["--pipeline-schedule", "1f1b"], 1)[0]
+    lrs = [r["lr"] for r in two_bw]
+    assert len(lrs) == 6 and all(a != b for a, b in zip(lrs, lrs[1:]))  # warm-up then decay: no LR repeats
+    assert lrs == [r["lr"] for r in plain]
+
+
 # Mixed precision and loss scaling ----------------------------------------------------------------------------
 
 

@@ -48,6 +48,8 @@ LAYOUTS = {
                              "--pipeline-schedule", "interleaved-1f1b"], 1, 2),
     # V placement: rank 0 saves and loads the first and the last stage, whose tied embedding is one parameter.
     "zb-v-pp2-dp2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"], 1, 2),
+    # ZeRO-1: each data-parallel rank saves and loads its own shard of the optimizer state.
+    "distributed-optimizer-pp2-dp2": (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 1, 2),
 }
 
 
@@ -94,6 +96,30 @@ def test_weights_load_into_another_placement_of_the_same_stages(tmp_path):
                              "--train-iters", "3", "--load", str(tmp_path / "ck")], 2, 2)
     assert "saved with --tensor-model-parallel-size 1 and layers per stage [0-1, 1-2, 2-3, 3-4]; this run has 2 and " \
            "[0-2, 2-4]" in other_tp and "conversion tool" in other_tp, other_tp
+
+
+def test_distributed_optimizer_state_loads_only_at_its_own_data_parallel_size(tmp_path):
+    """Each dp rank holds one shard of the optimizer state: another dp size, or the replicated optimizer,
+    cannot use the shards as they are; the refusal names the way out, which then works."""
+    ck = str(tmp_path / "ck")
+    argv = TINY + ["--use-distributed-optimizer", "--train-iters", "1", "--save", ck]
+    saved = run_distributed(2, _pretrain, argv, 1, 1)[0]
+    assert [r["iteration"] for r in saved] == [1]
+    resume = TINY + ["--train-iters", "2", "--load", ck]
+    replicated = run_distributed(2, _pretrain, resume, 1, 1)[0]
+    one_rank = run_distributed(1, _pretrain, resume + ["--use-distributed-optimizer"], 1, 1)[0]
+    for refused in (replicated, one_rank):
+        assert refused == (f"CheckpointError: {ck}/iter_0000001 holds optimizer state for data-parallel size 2 "
+                           "(distributed optimizer); this run cannot load it directly: add --no-load-optim"), refused
+    rows = run_distributed(1, _pretrain, resume + ["--use-distributed-optimizer", "--no-load-optim"], 1, 1)[0]
+    assert [r["iteration"] for r in rows] == [2]
+    # And the other way: replicated state (dp rank 0's copy) is not split into shards on load.
+    plain = str(tmp_path / "plain")
+    run_distributed(1, _pretrain, TINY + ["--train-iters", "1", "--save", plain], 1, 1)
+    sharded = run_distributed(2, _pretrain, TINY + ["--use-distributed-optimizer", "--train-iters", "2", "--load",
+                                                    plain], 1, 1)[0]
+    assert sharded == (f"CheckpointError: {plain}/iter_0000001 holds optimizer state for data-parallel size 1 "
+                       "(replicated optimizer); this run cannot load it directly: add --no-load-optim"), sharded
 
 
 # Single process ---------------------------------------------------------------------------------------
