@@ -78,11 +78,11 @@ def _check_fields(schedule: Schedule) -> None:
                 _check_hosting(rank, i, a, parks_on, hosts_for)
 
 
-def _check_hosting(rank: int, index: int, action: Action, parks_on: dict[int, list[int]],
+def _check_hosting(rank: int, index: int, action: Action, parks_on: dict[int, int],
                    hosts_for: dict[int, int]) -> None:
     """An ACCEPT/RETURN names the one rank that parks its stashes here."""
     peer = action.peer
-    if parks_on.get(peer, [None])[0] != rank:
+    if parks_on.get(peer) != rank:
         raise _error(rank, index, action, f"rank {peer} parks no stashes on rank {rank} (no EVICT or LOAD of it "
                                           f"names rank {rank})")
     first = hosts_for.setdefault(rank, peer)
@@ -91,31 +91,32 @@ def _check_hosting(rank: int, index: int, action: Action, parks_on: dict[int, li
                                           "acceptor hosts one evictor")
 
 
-def _parking_peers(schedule: Schedule) -> dict[int, list[int]]:
-    """Rank -> the peers its EVICT/LOAD actions name, in order of first appearance (empty ranks left out)."""
-    peers: dict[int, list[int]] = {}
+def _parking_peers(schedule: Schedule) -> dict[int, int]:
+    """Rank -> the peer its first EVICT/LOAD names (ranks that park nothing left out); a transfer naming
+    another peer is refused at that transfer (`_check_transfer`)."""
+    peers: dict[int, int] = {}
     for rank, acts in enumerate(schedule.actions):
-        for a in acts:
-            if a.op in (Op.EVICT, Op.LOAD) and a.peer not in peers.setdefault(rank, [a.peer]):
-                peers[rank].append(a.peer)
-    return {rank: found for rank, found in peers.items() if found}
+        first = next((a.peer for a in acts if a.op in (Op.EVICT, Op.LOAD)), None)
+        if first is not None:
+            peers[rank] = first
+    return peers
 
 
-def _check_transfer(rank: int, index: int, action: Action, parks_on: dict[int, list[int]]) -> None:
+def _check_transfer(rank: int, index: int, action: Action, parks_on: dict[int, int]) -> None:
     """Field rules of stash transfers; their order rules (between F and backward, back before it) are in
     `_check_rank`. OFFLOAD/RELOAD need nothing more. EVICT/LOAD (BPipe) also involve the acceptor, whose
     ACCEPT/RETURN serve them on the pair's own groups; the stores hold one partner each, so parking pairs
     are disjoint: the evictor parks on one peer, the peer hosts for no one else and parks nothing of its own."""
     if action.op not in (Op.EVICT, Op.LOAD):
         return
-    peer, first = action.peer, parks_on[rank][0]
+    peer, first = action.peer, parks_on[rank]
     if peer != first:
         raise _error(rank, index, action, f"parks on rank {peer} but already parks on rank {first}; a rank parks "
                                           "its stashes on one partner")
     if peer in parks_on:
-        raise _error(rank, index, action, f"rank {peer} parks stashes of its own on rank {parks_on[peer][0]}; a rank "
+        raise _error(rank, index, action, f"rank {peer} parks stashes of its own on rank {parks_on[peer]}; a rank "
                                           "that hosts another's stashes must not park any")
-    others = [r for r, peers in parks_on.items() if r < rank and peers[0] == peer]  # reported at the later one
+    others = [r for r, parks in parks_on.items() if r < rank and parks == peer]  # reported at the later one
     if others:
         raise _error(rank, index, action, f"rank {peer} already hosts stashes of rank {others[0]}; an acceptor "
                                           "hosts one evictor")

@@ -297,6 +297,51 @@ def test_validator_checks_the_hosting_actions(edit, message):
         validate(_hosting_lists(build_schedule("bpipe", 4, 8), 3, edit))
 
 
+def _after(acts: list[Action], token: str, added: str) -> list[Action]:
+    i = [str(a) for a in acts].index(token)
+    return acts[:i + 1] + [Action.parse(added)] + acts[i + 1:]
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Accepted twice while hosted, and again after it was returned: a second copy would arrive.
+    (lambda acts: _after(acts, "ACCEPT3.0<0", "ACCEPT3.0<0"),
+     r"rank 3, action 3 \(ACCEPT3.0<0\): stash 3.0 of rank 0 is accepted a second time$"),
+    (lambda acts: _after(acts, "RETURN3.0>0", "ACCEPT3.0<0"),
+     r"rank 3, action 13 \(ACCEPT3.0<0\): stash 3.0 of rank 0 is accepted a second time$"),
+    # Accepted and never handed back.
+    (lambda acts: [a for a in acts if str(a) != "RETURN5.0>0"],
+     r"rank 3, action 22 \(ACCEPT5.0<0\): hosted stash 5.0 is never returned to rank 0$"),
+    # Served although the evictor never sends it: one receive more than the group's sends.
+    (lambda acts: acts + [Action.parse("ACCEPT0.0<0"), Action.parse("RETURN0.0>0")],
+     r"rank 3, action 42 \(ACCEPT0.0<0\): rank 0 has no matching EVICT0.0>3 \(the EVICT group of ranks 0 -> 3 has "
+     r"5 send\(s\), 6 receive\(s\)\)$"),
+])
+def test_validator_checks_each_hosted_stash_once_in_and_once_out(edit, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate(_hosting_lists(build_schedule("bpipe", 4, 8), 3, edit))
+
+
+def test_an_order_mismatch_names_the_acceptors_action_and_its_index():
+    swap = {"ACCEPT4.0<0": "ACCEPT5.0<0", "ACCEPT5.0<0": "ACCEPT4.0<0", "RETURN4.0>0": "RETURN5.0>0",
+            "RETURN5.0>0": "RETURN4.0>0"}
+    schedule = _hosting_lists(build_schedule("bpipe", 4, 8), 3,
+                              lambda acts: [Action.parse(swap.get(str(a), str(a))) for a in acts])
+    at = [str(a) for a in schedule.actions[3]].index("ACCEPT5.0<0")
+    evict = [str(a) for a in schedule.actions[0]].index("EVICT4.0>3")
+    with pytest.raises(ScheduleError, match=rf"^rank 3, action {at} \(ACCEPT5.0<0\): is operation #1 on the EVICT "
+                                            rf"group of ranks 0 and 3, where rank 0 posts EVICT4.0>3 \(action {evict}\)"):
+        validate(schedule)
+
+
+def test_a_second_parking_partner_is_named_at_the_evictor_whatever_the_rank_order():
+    # The acceptor (rank 0) is checked before the evictor (rank 1) that later names rank 2 as well: the
+    # acceptor's side is in order (rank 1 parks on it first), the evictor's second partner is the error.
+    lists = {1: "F0.0 F1.0 F2.0 EVICT2.0>0 B0.0 LOAD2.0<0 F3.0 EVICT3.0>2 B1.0 LOAD3.0<2 B2.0 B3.0"}
+    with pytest.raises(ScheduleError, match=r"^rank 1, action \d+ \(EVICT3.0>2\): parks on rank 2 but already parks "
+                                            r"on rank 0; a rank parks its stashes on one partner$"):
+        validate(_hand(4, lists))
+
+
 def test_validator_replays_the_parking_as_blocking_operations():
     """The last stash's ACCEPT and RETURN moved to the end of the acceptor's list: the evictor's EVICT7
     waits for the ACCEPT, which comes after the acceptor's F7, whose input the evictor sends after EVICT7."""

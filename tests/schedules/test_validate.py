@@ -190,7 +190,12 @@ def test_wrong_peer_and_needless_message():
     (["F0.0 BI0.0"], 1, 0, 1, "BI0.0", "BW0.0 never follows"),
     (["F0.0 B0.0"], 2, 0, 2, "end of list", "F1.0 never runs"),
     (["F0.0 B0.0 F1.0 REDUCE_GRAD.0 B1.0"], 2, 0, 4, "B1.0", r"already reduced at action 3, before this backward"),
-    (["F0.0 B0.0 REDUCE_GRAD.0 REDUCE_GRAD.0"], 1, 0, 3, "REDUCE_GRAD.0", "already reduced at action 2"),
+    (["F0.0 B0.0 REDUCE_GRAD.0 REDUCE_GRAD.0"], 1, 0, 3, "REDUCE_GRAD.0", "chunk 0 already reduced at action 2$"),
+    (["F0.0 BI0.0 REDUCE_GRAD.0 BW0.0"], 1, 0, 3, "BW0.0", r"already reduced at action 2, before this backward$"),
+    # A stash leaves the device once per step, and what leaves must come back.
+    (["F0.0 OFFLOAD0.0 OFFLOAD0.0 RELOAD0.0 B0.0"], 1, 0, 2, "OFFLOAD0.0", "already left the device once in this step$"),
+    (["F0.0 OFFLOAD0.0 RELOAD0.0 OFFLOAD0.0 RELOAD0.0 B0.0"], 1, 0, 3, "OFFLOAD0.0", "already left the device once"),
+    (["F0.0 OFFLOAD0.0"], 1, 0, 1, "OFFLOAD0.0", "stash 0.0 never comes back$"),
     (["F0.0 OFFLOAD0.0 B0.0"], 1, 0, 2, "B0.0", r"off the device since OFFLOAD0.0 \(action 1\); RELOAD0.0 must"),
     (["F0.0@0 F1.0@1 F2.0@2 B0.0@0 B1.0@1 B2.0@2"], 3, 0, 2, "F2.0@2", r"versions \[0, 1, 2\] at once"),
     (["F0.0@0 B0.0@1"], 1, 0, 1, "B0.0@1", "weight version 1 differs from its forward's 0"),
@@ -203,6 +208,9 @@ def test_single_rank_rules(rows, m, rank, index, action, reason):
 def test_rules_that_pass():
     # Two live versions, a split backward and a reduction after the chunk's last backward are all fine.
     validate(make(["F0.0@0 F1.0@1 B0.0@0 F2.0@1 B1.0@1 B2.0@1"], 3))
+    # A backward (B, or BW of a split one) ends its stash's hold on its weight version: a third may start.
+    validate(make(["F0.0@0 F1.0@1 B0.0@0 F2.0@2 B1.0@1 B2.0@2"], 3))
+    validate(make(["F0.0@0 F1.0@1 BI0.0@0 BW0.0@0 F2.0@2 BI1.0@1 BW1.0@1 BI2.0@2 BW2.0@2"], 3))
     validate(make(["F0.0 F1.0 BI0.0 BI1.0 BW1.0 BW0.0 REDUCE_GRAD.0 STEP"], 2))
     validate(make(["F0.1 F0.0 B0.0 REDUCE_GRAD.0 B0.1 REDUCE_GRAD.1"], 1, 2, placement=[(0, 1), (0, 0)]))
 
@@ -245,3 +253,39 @@ def test_a_second_weight_gradient_of_one_microbatch_is_refused():
     with pytest.raises(ScheduleError, match=rf"rank 0, action {i + 1} \(BW0.0\): second weight-gradient of this "
                                             rf"microbatch and chunk \(first at action {i}\)$"):
         validate(dataclasses.replace(schedule, actions=lists))
+
+
+def test_an_input_from_a_stage_on_the_same_rank_must_be_computed_first():
+    # Stages 0 and 1 both on rank 0: the hand-over is a computed result, not a message.
+    two_chunks = {"v": 2, "placement": [(0, 0), (0, 1)]}
+    rejects(make(["F0.1 F0.0 B0.1 B0.0"], 1, **two_chunks), 0, 0, "F0.1", r"needs F0.0 \(stage 0, same rank\) before it$")
+    rejects(make(["F0.0 F0.1 B0.0 B0.1"], 1, **two_chunks), 0, 2, "B0.0", r"needs B0.1 \(stage 1, same rank\) before it$")
+    validate(make(["F0.0 F0.1 B0.1 B0.0"], 1, **two_chunks))
+
+
+def test_a_backward_needs_its_output_gradient_received_first():
+    rows = [GOOD[0].replace("RECV_B1.0<1 B1.0", "B1.0 RECV_B1.0<1"), GOOD[1]]
+    rejects(make(rows, 2), 0, 6, "B1.0", r"needs RECV_B1.0<1 before it$")
+
+
+def test_layered_reductions_one_per_group_of_microbatches():
+    def layered(row: str, m: int) -> Schedule:
+        return dataclasses.replace(make([row], m), options={"microbatches_per_reduction": 1})
+    every = "F0.0 B0.0 REDUCE_GRAD.0 F1.0 B1.0 REDUCE_GRAD.0 F2.0 B2.0 REDUCE_GRAD.0"
+    validate(layered(every, 3))
+    rejects(layered(every.rsplit(" ", 1)[0], 3), 0, 5, "REDUCE_GRAD.0",
+            r"only 2 of the 3 reductions of chunk 0 \(one per 1 microbatches\): microbatches 2..2 are never reduced$")
+    rejects(layered(every + " REDUCE_GRAD.0", 3), 0, 9, "REDUCE_GRAD.0",
+            r"chunk 0 already reduced at action 8 \(3 per step, one per 1 microbatches\)$")
+    # A backward of a group that was already reduced.
+    rejects(layered("F0.0 F1.0 B0.0 REDUCE_GRAD.0 REDUCE_GRAD.0 B1.0", 2), 0, 5, "B1.0",
+            r"gradients of chunk 0 were already reduced at action 4, before this backward$")
+
+
+def test_a_deadlock_is_reported_at_the_first_unmatched_action_of_the_batch():
+    # Rank 0 posts F0's send with both gradient receives; rank 1 needs F1 before it sends any gradient, and
+    # rank 0 sends F1 only after that batch: both receives wait, the first is named.
+    rows = ["F0.0 SEND_F0.0>1 RECV_B0.0<1 RECV_B1.0<1 F1.0 SEND_F1.0>1 B0.0 B1.0",
+            "RECV_F0.0<0 F0.0 RECV_F1.0<0 F1.0 B0.0 SEND_B0.0>0 B1.0 SEND_B1.0>0"]
+    message = rejects(make(rows, 2), 0, 2, "RECV_B0.0<1", "deadlock under blocking send/receive")
+    assert "rank 1, action 2: blocked on RECV_F1.0<0 (action 2)" in message, message
