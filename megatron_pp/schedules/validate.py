@@ -257,7 +257,8 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
     neighbours = [forward_neighbours(schedule, rank, chunk) for chunk in range(schedule.num_chunks)]
     for chunk, done in reduced_at.items():
         if len(done) < num_groups:
-            raise _error(rank, done[-1], acts[done[-1]],
+            last = done[-1]
+            raise _error(rank, last, acts[last],
                          f"only {len(done)} of the {num_groups} reductions of chunk {chunk} (one per {group} "
                          f"microbatches): microbatches {len(done) * group}..{schedule.num_microbatches - 1} "
                          "are never reduced")

@@ -122,7 +122,8 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    par.add_argument("--pipeline-schedule", default="1f1b", help="Pipeline schedule by name (see docs/schedules.md).")
+    par.add_argument("--pipeline-schedule", default="1f1b", action=_NamedSchedule,
+                     help="Pipeline schedule by name (see docs/schedules.md).")
     par.add_argument("--pipeline-schedule-file", default=None, metavar="FILE",
                      help="Run the action lists in FILE instead of a registered schedule: torch.distributed.pipelining's "
                           "compute-only CSV or this project's JSON (docs/plugins.md). Ranks, microbatches and chunks "
@@ -409,6 +410,15 @@ def num_chunks(args: argparse.Namespace, config: TransformerConfig) -> int:
     return slots // (pp * per_stage)
 
 
+class _NamedSchedule(argparse.Action):
+    """Stores --pipeline-schedule and notes that it was given (its default, 1f1b, cannot tell), so that
+    naming a schedule beside --pipeline-schedule-file is refused rather than one of the two ignored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.pipeline_schedule_given = True
+
+
 def _fixed_chunks(args: argparse.Namespace) -> Optional[int]:
     """Chunks per rank a registered schedule always uses (the V shapes' 2), so that they need no flag."""
     from megatron_pp.schedules.registry import get_schedule
@@ -690,6 +700,9 @@ def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig
     from megatron_pp.models.layout import split_layers
     from megatron_pp.schedules.registry import list_schedules
 
+    if getattr(args, "pipeline_schedule_file", None) and getattr(args, "pipeline_schedule_given", False):
+        return [f"--pipeline-schedule {args.pipeline_schedule} and --pipeline-schedule-file "
+                f"{args.pipeline_schedule_file} both name the schedule: give one"], None
     if not getattr(args, "pipeline_schedule_file", None):
         known = list_schedules()
         if args.pipeline_schedule not in known:

@@ -336,10 +336,13 @@ def test_an_order_mismatch_names_the_acceptors_action_and_its_index():
 def test_a_second_parking_partner_is_named_at_the_evictor_whatever_the_rank_order():
     # The acceptor (rank 0) is checked before the evictor (rank 1) that later names rank 2 as well: the
     # acceptor's side is in order (rank 1 parks on it first), the evictor's second partner is the error.
-    lists = {1: "F0.0 F1.0 F2.0 EVICT2.0>0 B0.0 LOAD2.0<0 F3.0 EVICT3.0>2 B1.0 LOAD3.0<2 B2.0 B3.0"}
+    schedule = _hand(4, {1: "F0.0 F1.0 F2.0 EVICT2.0>0 B0.0 LOAD2.0<0 F3.0 B1.0 B2.0 B3.0"})
+    assert "ACCEPT2.0<1" in map(str, schedule.actions[0])
+    lists = [list(acts) for acts in schedule.actions]
+    lists[1] = _after(_after(lists[1], "F3.0", "EVICT3.0>2"), "B2.0", "LOAD3.0<2")
     with pytest.raises(ScheduleError, match=r"^rank 1, action \d+ \(EVICT3.0>2\): parks on rank 2 but already parks "
                                             r"on rank 0; a rank parks its stashes on one partner$"):
-        validate(_hand(4, lists))
+        validate(dataclasses.replace(schedule, actions=lists))
 
 
 def test_validator_replays_the_parking_as_blocking_operations():

@@ -589,6 +589,32 @@ def test_a_schedule_file_decides_the_chunks_the_layers_must_divide_into(tmp_path
     assert len(errors) == 1 and errors[0].startswith("--num-layers 6 is not divisible by 4 pipeline stages"), errors
 
 
+def test_a_schedule_named_beside_a_schedule_file_is_refused(tmp_path):
+    # Either one alone runs; both would silently run one of them (the file), whatever the name said.
+    import json
+
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.schedules.schedule_file import schedule_to_json
+
+    path = tmp_path / "gis.json"
+    path.write_text(json.dumps(schedule_to_json(build_schedule("gis", 2, 4, 2))))
+    argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                   "--num-layers", "4", "--pipeline-schedule-file", str(path)]
+    assert validate_args(build_parser().parse_args(argv), world_size=2) == []
+    for name in ("1f1b", "gis"):  # the default's name too: given, it is a second choice
+        errors = validate_args(build_parser().parse_args(argv + ["--pipeline-schedule", name]), world_size=2)
+        assert errors == [f"--pipeline-schedule {name} and --pipeline-schedule-file {path} both name the schedule: "
+                          "give one"], errors
+    # With wrong sizes the file's own lists cannot be built; a conflict its flags state is still named, by flag
+    # (no registered schedule stands in for the file).
+    errors = validate_args(build_parser().parse_args(
+        argv + ["--global-batch-size", "3", "--data-parallel-sharding-strategy", "optim_grads_params",
+                "--offload-chunks", "1"]), world_size=4)
+    assert errors == ["--global-batch-size 3 is not divisible by --micro-batch-size 1 x data-parallel size 2",
+                      "--data-parallel-sharding-strategy optim_grads_params cannot be combined with --offload-chunks: "
+                      "stashes parked off the device are not supported with sharded weights"], errors
+
+
 @pytest.mark.parametrize("sizes", [["--micro-batch-size", "0"], ["--global-batch-size", "3", "--micro-batch-size", "2"]])
 def test_a_schedule_option_that_does_not_apply_is_named_beside_wrong_sizes(sizes):
     # The sizes' own errors do not hide the flag's: the user fixes both in one go.
