@@ -596,12 +596,14 @@ def test_a_schedule_named_beside_a_schedule_file_is_refused(tmp_path):
     from megatron_pp.schedules.registry import build_schedule
     from megatron_pp.schedules.schedule_file import schedule_to_json
 
-    path = tmp_path / "gis.json"
-    path.write_text(json.dumps(schedule_to_json(build_schedule("gis", 2, 4, 2))))
+    path = tmp_path / "1f1b.json"  # one chunk per rank: 6 layers split over its 2 stages
+    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 2, 4))))
     argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
-                   "--num-layers", "4", "--pipeline-schedule-file", str(path)]
+                   "--num-layers", "6", "--pipeline-schedule-file", str(path)]
     assert validate_args(build_parser().parse_args(argv), world_size=2) == []
-    for name in ("1f1b", "gis"):  # the default's name too: given, it is a second choice
+    # The default's name too: given, it is a second choice. A V shape's two chunks per rank (4 stages, which
+    # 6 layers do not fill evenly) are not applied to the file's layer split either: one line only.
+    for name in ("1f1b", "gis", "zb-v"):
         errors = validate_args(build_parser().parse_args(argv + ["--pipeline-schedule", name]), world_size=2)
         assert errors == [f"--pipeline-schedule {name} and --pipeline-schedule-file {path} both name the schedule: "
                           "give one"], errors
