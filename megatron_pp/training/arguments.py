@@ -663,9 +663,16 @@ def schedule_takes_offload_time(args: argparse.Namespace) -> bool:
     """Whether this job's schedule places host copies (so `--offload-time` matters)."""
     from megatron_pp.schedules.registry import get_schedule
 
+    movers = ("offload_chunks", "offload_fraction")
+    given = any(getattr(args, name, None) is not None for name in movers)
     if getattr(args, "pipeline_schedule_file", None):
-        return args.offload_chunks is not None or args.offload_fraction is not None
-    return "offload_time" in get_schedule(args.pipeline_schedule).options
+        return given
+    options = get_schedule(args.pipeline_schedule).options
+    if "offload_time" not in options:
+        return False
+    # A schedule that takes the offload time but no amount (PO-H, PO-F) always offloads; the others (1F1B,
+    # the zero-bubble family, ...) offload only when --offload-chunks or --offload-fraction asks.
+    return given or not any(name in options for name in movers)
 
 
 def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],

@@ -617,6 +617,49 @@ def test_a_schedule_named_beside_a_schedule_file_is_refused(tmp_path):
                       "stashes parked off the device are not supported with sharded weights"], errors
 
 
+def test_a_schedule_file_is_held_to_the_virtual_stages_either_flag_gives(tmp_path):
+    import json
+
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.schedules.schedule_file import schedule_to_json
+
+    path = tmp_path / "1f1b.json"
+    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 2, 4))))
+    argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                   "--num-layers", "6", "--pipeline-schedule-file", str(path)]
+    for extra, chunks in ((["--num-virtual-stages-per-pipeline-rank", "2"], 2),
+                          (["--num-layers-per-virtual-pipeline-stage", "1"], 3)):
+        errors = validate_args(build_parser().parse_args(argv + extra), world_size=2)
+        assert errors[0] == (f"--pipeline-schedule-file {path} has 1 for chunks per rank (virtual stages), the job "
+                             f"has {chunks}"), errors
+
+
+def test_the_job_schedule_helpers_that_pretrain_calls(tmp_path):
+    import json
+
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.schedules.schedule_file import schedule_to_json
+    from megatron_pp.training.arguments import build_job_schedule, schedule_takes_offload_time
+
+    sizes = ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]
+    path = tmp_path / "1f1b.json"
+    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 2, 4))))
+    file_job = BASE + sizes + ["--pipeline-schedule-file", str(path)]
+    # --offload-time matters where host copies are placed: a file job with either offload flag, or a
+    # registered schedule that offloads.
+    assert [schedule_takes_offload_time(build_parser().parse_args(file_job + extra))
+            for extra in ([], ["--offload-chunks", "1"], ["--offload-fraction", "0.5"])] == [False, True, True]
+    registered = [["1f1b"], ["1f1b", "--offload-chunks", "1"], ["zb-h1", "--offload-fraction", "0.5"], ["po-h"],
+                  ["po-f"], ["interleaved-1f1b"]]
+    assert [schedule_takes_offload_time(build_parser().parse_args(BASE + sizes + ["--pipeline-schedule", *flags]))
+            for flags in registered] == [False, True, True, True, True, False]
+    # A registered schedule without a chunk count has one; a measured offload time reaches the placement.
+    args = build_parser().parse_args(BASE + sizes + ["--pipeline-schedule", "po-h"])
+    assert build_job_schedule(args, 1, None).num_chunks == 1
+    assert build_job_schedule(args, 1, None, offload_time=0.5).options["offload_time"] == 0.5
+    assert build_job_schedule(args, 1, None).options["offload_time"] == 0.25  # the default
+
+
 @pytest.mark.parametrize("sizes", [["--micro-batch-size", "0"], ["--global-batch-size", "3", "--micro-batch-size", "2"]])
 def test_a_schedule_option_that_does_not_apply_is_named_beside_wrong_sizes(sizes):
     # The sizes' own errors do not hide the flag's: the user fixes both in one go.
