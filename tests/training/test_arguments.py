@@ -632,6 +632,13 @@ def test_a_schedule_file_is_held_to_the_virtual_stages_either_flag_gives(tmp_pat
         errors = validate_args(build_parser().parse_args(argv + extra), world_size=2)
         assert errors[0] == (f"--pipeline-schedule-file {path} has 1 for chunks per rank (virtual stages), the job "
                              f"has {chunks}"), errors
+    # A file whose chunks the flag matches: the layer split is checked once, with the flag's chunks.
+    gis = tmp_path / "gis.json"
+    gis.write_text(json.dumps(schedule_to_json(build_schedule("gis", 2, 4, 2))))
+    errors = validate_args(build_parser().parse_args(
+        [a if a != str(path) else str(gis) for a in argv] + ["--num-virtual-stages-per-pipeline-rank", "2"]),
+        world_size=2)
+    assert len(errors) == 1 and errors[0].startswith("--num-layers 6 is not divisible by 4 pipeline stages"), errors
 
 
 def test_the_job_schedule_helpers_that_pretrain_calls(tmp_path):
