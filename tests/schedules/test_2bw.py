@@ -81,6 +81,43 @@ def test_the_2bw_checks_catch_broken_lists(edit, message):
         check_weight_versions(schedule)
 
 
+def _step_at(acts, version, index):
+    """`acts` with STEP@version moved to position `index` (of the list without it)."""
+    step = Action(Op.STEP, version=version)
+    rest = [a for a in acts if a != step]
+    return rest[:index] + [step] + rest[index:]
+
+
+def test_the_2bw_checks_at_the_first_and_last_versions():
+    p, m = 2, 2
+
+    def refused(rank, edit, message, steps=2):
+        schedule = two_bw(p, m, steps)
+        schedule.actions[rank] = edit(list(schedule.actions[rank]))
+        with pytest.raises(ScheduleError, match=message):
+            check_weight_versions(schedule)
+
+    # A STEP must make version 2 or later, and say which.
+    for version in (None, 0, 1):
+        refused(0, lambda acts: [Action(Op.STEP, version=version)] + acts,
+                r"^rank 0, action 0 \(STEP[@0-9]*\): a STEP must create a new version v >= 2, once$")
+    # The last rank ends batch 0 before its first forward of batch 1: an update placed right there comes
+    # before batch 1's forwards (which must still see version 1 next to it) -- at the last batch's update too.
+    last = p - 1
+    for steps in (2, 3):
+        def early(acts):
+            end_of_batch0 = max(i for i, a in enumerate(acts) if a.op is Op.B and a.microbatch < m)
+            return _step_at(acts, 2, end_of_batch0 + 1)
+        refused(last, early, r"STEP@2\): the update for batch 0 comes before the last forward of batch 1$", steps)
+    # A forward repeated in batch 0: its stash is still live when the update overwrites version 0.
+    def repeated(acts):
+        i = next(i for i, a in enumerate(acts) if a.op is Op.F)
+        return acts[:i + 1] + [acts[i]] + acts[i + 1:]
+    schedule = two_bw(p, m, 3)
+    at = [a for a in repeated(list(schedule.actions[0]))].index(Action(Op.STEP, version=2))
+    refused(0, repeated, rf"^rank 0, action {at} \(STEP@2\): buffer 0 still holds version 0 in use \(1 stashes live\)", 3)
+
+
 def _swap_step_with_next(acts, version, op):
     i = acts.index(Action(Op.STEP, version=version))
     j = next(k for k in range(i + 1, len(acts)) if acts[k].op is op)

@@ -138,8 +138,9 @@ def test_validator_accepts_hand_parking_on_any_disjoint_pair():
 def test_options_and_refusals():
     with pytest.raises(ValueError, match=r"pipeline schedule 'bpipe' has no virtual stages"):
         build_schedule("bpipe", 4, 8, 2)
-    with pytest.raises(ValueError, match=r"--bpipe-max-resident must be a positive int .* got 0"):
-        build_schedule("bpipe", 4, 8, bpipe_max_resident=0)
+    for bad in (0, 2.5, True, "2"):  # a count of stashes: an int, and not a bool
+        with pytest.raises(ValueError, match=rf"--bpipe-max-resident must be a positive int .* got {bad!r}$"):
+            build_schedule("bpipe", 4, 8, bpipe_max_resident=bad)
     with pytest.raises(ValueError, match=r"bpipe pairs whole pipeline stages and takes one chunk per rank"):
         add_bpipe(build_schedule("interleaved-1f1b", 4, 8, 2))
     with pytest.raises(ValueError, match=r"expects a compute-only schedule.* not after the offload pass"):
@@ -343,6 +344,42 @@ def test_a_second_parking_partner_is_named_at_the_evictor_whatever_the_rank_orde
     with pytest.raises(ScheduleError, match=r"^rank 1, action \d+ \(EVICT3.0>2\): parks on rank 2 but already parks "
                                             r"on rank 0; a rank parks its stashes on one partner$"):
         validate(dataclasses.replace(schedule, actions=lists))
+
+
+def test_hosting_before_counts_the_hosting_actions_ahead_of_a_list_index():
+    from megatron_pp.schedules.bpipe import _hosting_before
+
+    # Hosting action k sits at its slot + k in the list the replay ran: slots [3, 5, 9] -> indices 3, 6, 11.
+    slots = [3, 5, 9]
+    assert [_hosting_before(slots, {}, i) for i in (0, 3, 4, 6, 7, 11, 12)] == [0, 0, 1, 1, 2, 2, 3]
+    # A slot this round moved already counts where it was: action 1 at slot 4 sits at index 5, not 6.
+    assert [_hosting_before(slots, {1: 4}, i) for i in (5, 6)] == [1, 2]
+    assert _hosting_before([], {}, 5) == 0
+
+
+def test_a_repair_that_never_converges_stops_after_four_rounds_per_hosting_action(monkeypatch):
+    # The real repairs converge within 10 rounds (p up to 12, every bound); the cap bounds the time of one
+    # that would not: a replay stuck forever, a repair that always moves, and the build gives up naming it.
+    class Stuck:
+        def describe(self):
+            return "rank 3, action 0: blocked on ACCEPT3.0<0 (action 0)"
+
+    rounds = []
+
+    def always_moves(lists, blocked, hosting, where, slots):
+        rounds.append(1)
+        y = min(hosting)
+        return {y: {0: slots[y][0]}}
+
+    monkeypatch.setattr(bpipe_module.RendezvousReplay, "run", lambda self: [Stuck()])
+    monkeypatch.setattr(bpipe_module.RendezvousReplay, "replace", lambda self, windows: None)
+    monkeypatch.setattr(bpipe_module, "_repair", always_moves)
+    evicting = add_bpipe(one_f_one_b(4, 8))
+    transfers = sum(1 for acts in evicting.actions for a in acts if a.op in (Op.EVICT, Op.LOAD))
+    with pytest.raises(ScheduleError, match=r"^bpipe: found no deadlock-free place for the acceptor's side of the "
+                                            r"transfers; stuck at rank 3, action 0: blocked on ACCEPT3.0<0"):
+        bpipe_module.add_hosting(evicting)
+    assert len(rounds) == 4 * transfers + 4
 
 
 def test_validator_replays_the_parking_as_blocking_operations():
