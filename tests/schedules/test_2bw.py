@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from megatron_pp.schedules import twobw
-from megatron_pp.schedules.ir import Action, Op, ScheduleError
+from megatron_pp.schedules.ir import COMM_OPS, Action, Op, ScheduleError
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.simulate import CostModel, simulate
 from megatron_pp.schedules.twobw import CallKind, build_plan, check_weight_versions, cut_calls, two_bw, unrolled
@@ -109,6 +109,14 @@ def test_the_2bw_checks_at_the_first_and_last_versions():
             end_of_batch0 = max(i for i, a in enumerate(acts) if a.op is Op.B and a.microbatch < m)
             return _step_at(acts, 2, end_of_batch0 + 1)
         refused(last, early, r"STEP@2\): the update for batch 0 comes before the last forward of batch 1$", steps)
+    # With two steps, batch 0 is also the last but one: rank 0's early forward of batch 1 moved after batch 0's
+    # end drains the pipeline there too.
+    def drained(acts):
+        early = Action(Op.F, m, 0, version=1)
+        rest = [a for a in acts if a != early]
+        end_of_batch0 = max(i for i, a in enumerate(rest) if a.op is Op.B and a.microbatch < m)
+        return rest[:end_of_batch0 + 1] + [early] + rest[end_of_batch0 + 1:]
+    refused(0, drained, r"B1.0@0\): batch 0 ends with 0 forwards of batch 1 in flight, expected 1", 2)
     # A forward repeated in batch 0: its stash is still live when the update overwrites version 0.
     def repeated(acts):
         i = next(i for i, a in enumerate(acts) if a.op is Op.F)
@@ -116,6 +124,21 @@ def test_the_2bw_checks_at_the_first_and_last_versions():
     schedule = two_bw(p, m, 3)
     at = [a for a in repeated(list(schedule.actions[0]))].index(Action(Op.STEP, version=2))
     refused(0, repeated, rf"^rank 0, action {at} \(STEP@2\): buffer 0 still holds version 0 in use \(1 stashes live\)", 3)
+
+
+@pytest.mark.parametrize("p, m, steps", [(2, 2, 2), (3, 3, 3), (4, 6, 2), (1, 2, 3)])
+def test_calls_cut_each_list_after_its_batchs_last_backward(p, m, steps):
+    lists = unrolled(p, m, steps).actions
+    calls = cut_calls(unrolled(p, m, steps))
+    assert len(calls) == steps
+    for rank, acts in enumerate(lists):
+        pieces = [call[rank] for call in calls]
+        assert [a for piece in pieces for a in piece] == acts  # every action once, in order, from the first
+        for batch, piece in enumerate(pieces):
+            backwards = [i for i, a in enumerate(piece) if a.op is Op.B]
+            assert {piece[i].microbatch // m for i in backwards} == {batch}
+            if batch < steps - 1:  # after its last backward: only the messages and updates that close it
+                assert all(a.op in COMM_OPS or a.op is Op.STEP for a in piece[backwards[-1] + 1:])
 
 
 def _swap_step_with_next(acts, version, op):

@@ -95,6 +95,15 @@ def test_every_small_grid_point_builds_or_is_refused_with_a_reason():
     assert all(g > 1 and m > g and m % g for p, m, v, g in rejected)
 
 
+def test_a_short_last_group_that_deadlocks_is_refused_up_front():
+    # The small grid above has none; p = 6, v = 3, groups of 3 and m = 4 (a last group of one) is the first.
+    with pytest.raises(ValueError, match=r"^gis with p=6, m=4, v=3, group size 3 deadlocks: its last group holds 1 "
+                                         r"microbatch\(es\); use m a multiple of 3 or m <= 3 \(schedule 'gis' deadlocks: rank 0"):
+        build_schedule("gis", 6, 4, 3, interleave_group_size=3)
+    for m in (3, 6):  # m <= g and a multiple of g build
+        build_schedule("gis", 6, m, 3, interleave_group_size=3)
+
+
 @pytest.mark.parametrize("p, v", [(1, 1), (1, 4), (2, 2), (2, 4), (3, 2), (4, 1), (4, 2), (4, 4), (5, 3), (8, 4),
                                   (8, 16), (6, 5)])
 def test_building_block_packs_every_slot(p, v):
