@@ -23,7 +23,8 @@ sum between the first and last stage) complete in the background and never stall
 posts them when it finishes batch t and waits for them at STEP@(t+2) (`training.weight_versions`).
 
 One call of the executor runs one batch: a rank's list is cut after its last backward of the batch (and
-the communication batch that follows it, and any STEP right after). Four kinds of call exist
+the communication batch that follows it; no STEP can come right there: with m >= p every rank still has
+forwards of the next batch to run before that batch's update). Four kinds of call exist
 (`CallKind`): WARMUP (after a start or a flush), STEADY, COOLDOWN (ends in a flush: no next-batch
 forwards, both pending steps applied) and SINGLE (a warm-up and a cool-down at once).
 
@@ -248,8 +249,6 @@ def cut_calls(schedule: Schedule) -> list[list[list[Action]]]:
             else:
                 end = max(i for i, a in enumerate(acts) if a.op is Op.B and a.microbatch // m == batch) + 1
                 while end < len(acts) and acts[end].op in COMM_OPS:
-                    end += 1
-                while end < len(acts) and acts[end].op is Op.STEP:
                     end += 1
             calls[batch].append(acts[start:end])
             start = end

@@ -137,8 +137,33 @@ def test_calls_cut_each_list_after_its_batchs_last_backward(p, m, steps):
         for batch, piece in enumerate(pieces):
             backwards = [i for i, a in enumerate(piece) if a.op is Op.B]
             assert {piece[i].microbatch // m for i in backwards} == {batch}
-            if batch < steps - 1:  # after its last backward: only the messages and updates that close it
-                assert all(a.op in COMM_OPS or a.op is Op.STEP for a in piece[backwards[-1] + 1:])
+            if batch < steps - 1:  # after its last backward: only the messages that close it
+                assert all(a.op in COMM_OPS for a in piece[backwards[-1] + 1:])
+                assert pieces[batch + 1][0].op is not Op.STEP  # the next batch's forwards come before its update
+
+
+def test_the_plan_reproduces_every_call_of_the_unrolled_lists():
+    from megatron_pp.schedules.twobw import call_kinds
+
+    for p, m in ((2, 2), (3, 4)):
+        plan = build_plan(p, m)
+        for steps in (1, 2, 3, 4):
+            calls = cut_calls(unrolled(p, m, steps))
+            for batch, kind in enumerate(call_kinds(steps)):
+                for rank in range(p):
+                    assert plan.segment(kind, rank, batch) == calls[batch][rank], (p, m, steps, batch, kind, rank)
+
+
+def test_a_call_whose_messages_cross_into_the_next_is_refused():
+    from megatron_pp.schedules.twobw import _check_call_is_closed
+
+    def call(*rows):
+        return [[Action.parse(t) for t in row.split()] for row in rows]
+
+    _check_call_is_closed(call("F0.0 SEND_F0.0>1", "RECV_F0.0<0 F0.0"))
+    for crossing in (call("F0.0 SEND_F0.0>1", "F1.0"), call("F0.0 SEND_F0.0>1 F1.0 SEND_F1.0>1", "RECV_F0.0<0 F0.0")):
+        with pytest.raises(ScheduleError, match=r"^2bw: a call's messages cross into the next call"):
+            _check_call_is_closed(crossing)
 
 
 def _swap_step_with_next(acts, version, op):
