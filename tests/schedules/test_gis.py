@@ -7,7 +7,7 @@ import pytest
 from megatron_pp.schedules import gis as gis_module
 from megatron_pp.schedules.comm import HOIST_TO_SEND_ONLY_BATCHES
 from megatron_pp.schedules.generators import group_order, looped_placement
-from megatron_pp.schedules.gis import building_block, gis, gis_warmup, min_group_size
+from megatron_pp.schedules.gis import building_block, gis, gis_warmup, min_group_size, uniform_repeating
 from megatron_pp.schedules.ir import Action, Op
 from megatron_pp.schedules.registry import build_schedule, get_schedule
 from megatron_pp.schedules.simulate import simulate
@@ -95,6 +95,17 @@ def test_every_small_grid_point_builds_or_is_refused_with_a_reason():
     assert all(g > 1 and m > g and m % g for p, m, v, g in rejected)
 
 
+def test_uniform_order_runs_each_weight_gradient_right_after_its_input_gradient():
+    # BW takes the slot after its BI, so nothing of the rank can come between them in its list.
+    for p in (2, 3, 4, 5, 8):
+        for v in (1, 2, 3, 4):
+            for m in (1, p, 2 * p + 1):
+                for acts in uniform_repeating(p, m, v).actions:
+                    for i, a in enumerate(acts):
+                        if a.op is Op.BI:
+                            assert acts[i + 1] == Action(Op.BW, a.microbatch, a.chunk), (p, v, m, i)
+
+
 def test_a_short_last_group_that_deadlocks_is_refused_up_front():
     # The small grid above has none; p = 6, v = 3, groups of 3 and m = 4 (a last group of one) is the first.
     with pytest.raises(ValueError, match=r"^gis with p=6, m=4, v=3, group size 3 deadlocks: its last group holds 1 "
@@ -102,6 +113,9 @@ def test_a_short_last_group_that_deadlocks_is_refused_up_front():
         build_schedule("gis", 6, 4, 3, interleave_group_size=3)
     for m in (3, 6):  # m <= g and a multiple of g build
         build_schedule("gis", 6, m, 3, interleave_group_size=3)
+    # Two chunks per rank: p = 8, groups of 4, m = 6.
+    with pytest.raises(ValueError, match=r"^gis with p=8, m=6, v=2, group size 4 deadlocks: its last group holds 2 "):
+        build_schedule("gis", 8, 6, 2, interleave_group_size=4)
 
 
 @pytest.mark.parametrize("p, v", [(1, 1), (1, 4), (2, 2), (2, 4), (3, 2), (4, 1), (4, 2), (4, 4), (5, 3), (8, 4),
