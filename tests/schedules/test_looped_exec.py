@@ -10,7 +10,7 @@ import pytest
 from megatron_pp.core.comm_counter import CommCounter
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.presets import get_preset
-from megatron_pp.schedules.ir import COMPUTE_OPS, Op
+from megatron_pp.schedules.ir import COMPUTE_OPS, Action, Op
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.training.layered import WeightResidency, connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
@@ -153,3 +153,32 @@ def test_low_precision_with_sharded_weights_tracks_fp32(precision, tol):
     for step, (a, b) in enumerate(zip(low, reference)):
         assert abs(a - b) <= tol * abs(b), (step, low, reference)
     assert low != reference
+
+
+def test_weight_residency_gathers_one_run_ahead_and_releases_at_each_runs_end():
+    # A fake store records the protocol: the step's first run is gathered and waited for at its first
+    # action, each run prefetches the next run's chunk, and a chunk is released after its run's last action.
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def acquire(self, chunk):
+            self.calls.append(("acquire", chunk))
+
+        def wait(self, chunk):
+            self.calls.append(("wait", chunk))
+
+        def release(self, chunk):
+            self.calls.append(("release", chunk))
+
+    weights = Recorder()
+    actions = [Action.parse(t) for t in "F0.0 F1.0 SEND_F1.0>1 F0.1 F1.1 RECV_B1.1<1 B1.1 B0.1 B1.2".split()]
+    residency = WeightResidency(actions, weights)
+    assert residency.runs == [0, 1, 2]
+    for a in actions:
+        if a.op in COMPUTE_OPS:
+            residency.before(a)
+            residency.after(a)
+    assert weights.calls == [("acquire", 0), ("wait", 0), ("acquire", 1), ("release", 0),
+                             ("wait", 1), ("acquire", 2), ("release", 1),
+                             ("wait", 2), ("release", 2)]

@@ -417,6 +417,7 @@ SAMPLES_BASE = BASE[:-2] + ["--train-samples", "8", "--global-batch-size", "1"]
 @pytest.mark.parametrize("argv, line", [
     (BASE + ["--lr-decay-iters", "-1", "--lr-warmup-iters", "2"], "--lr-decay-iters must be >= 0, got -1"),
     (BASE + ["--train-iters", "0", "--lr-warmup-iters", "1"], "--train-iters must be >= 1, got 0"),
+    (SAMPLES_BASE + ["--train-samples", "0", "--lr-warmup-samples", "4"], "--train-samples must be >= 1, got 0"),
     (SAMPLES_BASE + ["--lr-decay-samples", "-1", "--lr-warmup-samples", "2"], "--lr-decay-samples must be >= 0, got -1"),
     (BASE + ["--lr", "-0.5"], "--lr must be >= 0.0, got -0.5"),
     (SAMPLES_BASE[:-2] + ["--train-samples", "0", "--global-batch-size", "4"], "--train-samples must be >= 1, got 0"),
