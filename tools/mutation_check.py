@@ -115,6 +115,8 @@ COVERING: dict[str, list[str]] = {
                                         "tests/training/test_checkpointing.py",
                                         "tests/training/test_2bw_resume.py",
                                         "tests/reliability/test_faults.py",
+                                        # the trace's clock notes (offsets and error bounds per rank)
+                                        "tests/core/test_clock.py::test_ranks_line_up_in_the_trace_despite_a_shifted_clock",
                                         SAFETY],
     "megatron_pp/training/arguments.py": ["tests/training/test_arguments.py",
                                           "tests/training/test_argument_properties.py",

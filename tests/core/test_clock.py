@@ -68,8 +68,13 @@ def test_ranks_line_up_in_the_trace_despite_a_shifted_clock(tmp_path):
             "--log-interval", "1000", "--trace-file", str(trace)]
     run_distributed(2, _traced_run, argv)
     data = json.loads(trace.read_text())
-    bound = max(data["otherData"]["error_bound_s"]) * 1e6
-    assert abs(data["otherData"]["offset_start_s"][1] - SHIFT) < 0.05
+    notes = data["otherData"]
+    bound = max(notes["error_bound_s"]) * 1e6
+    # Rank 1's clock runs SHIFT ahead: both measurements find that offset, each within its error bound (half
+    # the best barrier round trip, well under 50 ms on one machine).
+    assert 0 <= max(notes["error_bound_s"]) < 0.05, notes
+    for key in ("offset_start_s", "offset_end_s"):
+        assert abs(notes[key][1] - SHIFT) <= notes["error_bound_s"][1] + 1e-6, notes
     slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in slices} == {0, 1} and min(e["ts"] for e in slices) == 0.0
 
