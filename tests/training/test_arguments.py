@@ -574,14 +574,20 @@ def test_every_registered_schedule_is_accepted_at_a_size_it_runs():
         assert validate_args(build_parser().parse_args(given), world_size=2) == [], entry.name
 
 
-def test_a_schedule_file_decides_the_chunks_the_layers_must_divide_into(tmp_path):
+def _schedule_file(tmp_path, name: str, *sizes: int):
+    """A registered schedule at `sizes` written as the JSON --pipeline-schedule-file reads; its path."""
     import json
 
     from megatron_pp.schedules.registry import build_schedule
     from megatron_pp.schedules.schedule_file import schedule_to_json
 
-    path = tmp_path / "gis.json"  # 2 ranks x 2 chunks: 4 stages
-    path.write_text(json.dumps(schedule_to_json(build_schedule("gis", 2, 4, 2))))
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(schedule_to_json(build_schedule(name, *sizes))))
+    return path
+
+
+def test_a_schedule_file_decides_the_chunks_the_layers_must_divide_into(tmp_path):
+    path = _schedule_file(tmp_path, "gis", 2, 4, 2)  # 2 ranks x 2 chunks: 4 stages
     argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
                    "--pipeline-schedule-file", str(path)]
     for layers in ("4", "8"):
@@ -592,13 +598,7 @@ def test_a_schedule_file_decides_the_chunks_the_layers_must_divide_into(tmp_path
 
 def test_a_schedule_named_beside_a_schedule_file_is_refused(tmp_path):
     # Either one alone runs; both would silently run one of them (the file), whatever the name said.
-    import json
-
-    from megatron_pp.schedules.registry import build_schedule
-    from megatron_pp.schedules.schedule_file import schedule_to_json
-
-    path = tmp_path / "1f1b.json"  # one chunk per rank: 6 layers split over its 2 stages
-    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 2, 4))))
+    path = _schedule_file(tmp_path, "1f1b", 2, 4)  # one chunk per rank: 6 layers split over its 2 stages
     argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
                    "--num-layers", "6", "--pipeline-schedule-file", str(path)]
     assert validate_args(build_parser().parse_args(argv), world_size=2) == []
@@ -619,13 +619,7 @@ def test_a_schedule_named_beside_a_schedule_file_is_refused(tmp_path):
 
 
 def test_a_schedule_file_is_held_to_the_virtual_stages_either_flag_gives(tmp_path):
-    import json
-
-    from megatron_pp.schedules.registry import build_schedule
-    from megatron_pp.schedules.schedule_file import schedule_to_json
-
-    path = tmp_path / "1f1b.json"
-    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 2, 4))))
+    path = _schedule_file(tmp_path, "1f1b", 2, 4)
     argv = BASE + ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
                    "--num-layers", "6", "--pipeline-schedule-file", str(path)]
     for extra, chunks in ((["--num-virtual-stages-per-pipeline-rank", "2"], 2),
@@ -634,8 +628,7 @@ def test_a_schedule_file_is_held_to_the_virtual_stages_either_flag_gives(tmp_pat
         assert errors[0] == (f"--pipeline-schedule-file {path} has 1 for chunks per rank (virtual stages), the job "
                              f"has {chunks}"), errors
     # A file whose chunks the flag matches: the layer split is checked once, with the flag's chunks.
-    gis = tmp_path / "gis.json"
-    gis.write_text(json.dumps(schedule_to_json(build_schedule("gis", 2, 4, 2))))
+    gis = _schedule_file(tmp_path, "gis", 2, 4, 2)
     errors = validate_args(build_parser().parse_args(
         [a if a != str(path) else str(gis) for a in argv] + ["--num-virtual-stages-per-pipeline-rank", "2"]),
         world_size=2)
@@ -643,15 +636,10 @@ def test_a_schedule_file_is_held_to_the_virtual_stages_either_flag_gives(tmp_pat
 
 
 def test_the_job_schedule_helpers_that_pretrain_calls(tmp_path):
-    import json
-
-    from megatron_pp.schedules.registry import build_schedule
-    from megatron_pp.schedules.schedule_file import schedule_to_json
     from megatron_pp.training.arguments import build_job_schedule, schedule_takes_offload_time
 
     sizes = ["--micro-batch-size", "1", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]
-    path = tmp_path / "1f1b.json"
-    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 2, 4))))
+    path = _schedule_file(tmp_path, "1f1b", 2, 4)
     file_job = BASE + sizes + ["--pipeline-schedule-file", str(path)]
     # --offload-time matters where host copies are placed: a file job with either offload flag, or a
     # registered schedule that offloads.
