@@ -40,7 +40,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
-from megatron_pp.training.convert import (  # noqa: E402
+from megatron_pp.convert import (  # noqa: E402
     DEFAULT_MAX_SHARD_BYTES,
     SOURCE_FORMATS,
     TARGET_FORMATS,

@@ -5,7 +5,7 @@ A megatron_pp model is one `TransformerConfig`; on the Hugging Face side it is a
 `hf_config_from`) and every parameter both ways (`tensor_maps`: one `TensorMap` per megatron_pp
 parameter, naming the Hugging Face tensors it is made of and converting between them). Every mapping
 is a pure permutation, concatenation or transpose, so a round trip is bit-identical. Reading and
-writing files, tensor-parallel sharding and pipeline layouts belong to `megatron_pp.training.convert`.
+writing files, tensor-parallel sharding and pipeline layouts belong to `megatron_pp.convert`.
 
 Conventions (worked for a model with 4 query heads of dimension d in 2 query groups, i.e. GQA with 2
 key/value heads; "full" means the whole tensor, before any tensor-parallel split):

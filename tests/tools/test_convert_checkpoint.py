@@ -27,7 +27,7 @@ from megatron_pp.models.presets import get_preset  # noqa: E402
 from megatron_pp.models.transformer import StageModel, build_model, full_named_parameters  # noqa: E402
 from megatron_pp.core.tensor_parallel import shard_tensor  # noqa: E402
 from megatron_pp.training.checkpointing import CheckpointError, iteration_dir, read_metadata  # noqa: E402
-from megatron_pp.training.convert import (  # noqa: E402
+from megatron_pp.convert import (  # noqa: E402
     TargetLayout,
     config_from_json,
     convert_checkpoint,

@@ -25,15 +25,15 @@ from megatron_pp.models.layout import split_layers
 from megatron_pp.models.presets import get_preset
 from megatron_pp.models.transformer import StageModel, build_model
 from megatron_pp.training.checkpointing import config_from_json, config_to_json, iteration_dir
-from megatron_pp.training.convert import (
+from megatron_pp.convert import (
     CheckpointReader,
     TargetLayout,
     convert_checkpoint,
     read_full_state,
 )
-from megatron_pp.training.convert.megatron_lm import megatron_lm_args, rank_directory
-from megatron_pp.training.convert.megatron_pp import write_megatron_pp
-from megatron_pp.training.convert.torch_dist import MCORE_VERSION_CHECKED
+from megatron_pp.convert.megatron_lm import megatron_lm_args, rank_directory
+from megatron_pp.convert.megatron_pp import write_megatron_pp
+from megatron_pp.convert.torch_dist import MCORE_VERSION_CHECKED
 from megatron_pp.core.local_world import WorkerPool
 
 SEQ = 16
@@ -409,7 +409,7 @@ def test_cli_exports_and_says_how_megatron_lm_loads_it(ours, tmp_path, capsys):
     import importlib.util as util
 
     spec = util.spec_from_file_location("convert_checkpoint_cli", os.path.join(
-        os.path.dirname(__file__), "..", "..", "..", "tools", "convert_checkpoint.py"))
+        os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py"))
     cli = util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     root, _, _ = ours["gpt"]

@@ -18,7 +18,7 @@ import torch
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec
 from megatron_pp.training.checkpointing import CheckpointError, config_from_json, config_to_json, model_file
-from megatron_pp.training.convert.core import (
+from megatron_pp.convert.core import (
     CheckpointReader,
     TargetLayout,
     check_vocabulary,
@@ -27,16 +27,16 @@ from megatron_pp.training.convert.core import (
     stage_parameters,
     training_flags,
 )
-from megatron_pp.training.convert.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, write_hf
-from megatron_pp.training.convert.megatron_lm import (
+from megatron_pp.convert.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, write_hf
+from megatron_pp.convert.megatron_lm import (
     MEGATRON_LM_FILE,
     TRANSFORMER_IMPLS,
     MegatronLMReader,
     rank_directory,
     write_megatron_lm,
 )
-from megatron_pp.training.convert.megatron_pp import MegatronPPReader, write_megatron_pp
-from megatron_pp.training.convert.torch_dist import TorchDistReader, write_torch_dist
+from megatron_pp.convert.megatron_pp import MegatronPPReader, write_megatron_pp
+from megatron_pp.convert.torch_dist import TorchDistReader, write_torch_dist
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "SOURCE_FORMATS", "TARGET_FORMATS", "TRANSFORMER_IMPLS", "CheckpointReader",

@@ -43,7 +43,7 @@ from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.hf import rotary_interleaved_to_half
 from megatron_pp.models.layout import StageSpec
 from megatron_pp.training.checkpointing import CheckpointError, iteration_dir, write_json
-from megatron_pp.training.convert.core import (
+from megatron_pp.convert.core import (
     CheckpointReader,
     ParameterSpec,
     TargetLayout,
@@ -53,7 +53,7 @@ from megatron_pp.training.convert.core import (
     padded_shape,
     staged_output,
 )
-from megatron_pp.training.convert.megatron_lm import (
+from megatron_pp.convert.megatron_lm import (
     CHECKPOINT_VERSION,
     config_from_megatron_args,
     load_megatron_lm_file,

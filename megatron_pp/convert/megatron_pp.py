@@ -32,7 +32,7 @@ from megatron_pp.training.checkpointing import (
     read_tracker,
     write_json,
 )
-from megatron_pp.training.convert.core import (
+from megatron_pp.convert.core import (
     CheckpointReader,
     TargetLayout,
     compact,

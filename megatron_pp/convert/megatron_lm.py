@@ -28,7 +28,7 @@ from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.hf import rotary_interleaved_to_half
 from megatron_pp.models.layout import StageSpec
 from megatron_pp.training.checkpointing import TRACKER_FILE, CheckpointError, iteration_dir
-from megatron_pp.training.convert.core import (
+from megatron_pp.convert.core import (
     CheckpointReader,
     TargetLayout,
     compact,

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.hf import canonical_hf_name, config_from_hf, hf_config_from, is_ignored_hf_name, tensor_maps
 from megatron_pp.training.checkpointing import CheckpointError, write_json
-from megatron_pp.training.convert.core import (
+from megatron_pp.convert.core import (
     CheckpointReader,
     compact,
     copy_tokenizer,
