@@ -38,7 +38,7 @@ from megatron_pp.core.local_world import WorkerPool  # noqa: E402
 from megatron_pp.data.mock import MockData  # noqa: E402
 from megatron_pp.schedules.registry import build_schedule  # noqa: E402
 from megatron_pp.schedules.simulate import simulate  # noqa: E402
-from megatron_pp.training.benchmark import COMPUTE_PREFIXES, bench_config  # noqa: E402
+from megatron_pp.benchmarks.harness import COMPUTE_PREFIXES, bench_config  # noqa: E402
 
 SEED = 1234
 MICRO_BATCH = 2

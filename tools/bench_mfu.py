@@ -6,7 +6,7 @@
 Builds a few layers (default 4) of the `llama3-8b` preset (hidden 4096, MLP 14336, 32 query heads in 8
 key/value groups, RoPE theta 500000, vocabulary 128256, untied output) with the framework's model code,
 and the same shapes as `transformers`' LlamaForCausalLM with our initial weights copied in (see
-`megatron_pp.training.benchmark`). Both train full steps (forward, backward, clipping, AdamW) on one
+`megatron_pp.benchmarks.harness`). Both train full steps (forward, backward, clipping, AdamW) on one
 fixed batch; rounds alternate the two models (ours first in even rounds, HF first in odd ones), each round
 timing `--steps` back-to-back steps per model after `--warmup` untimed ones (CUDA events on a GPU).
 Reported: per-model median step time with min/max over rounds, tokens/s, model TFLOP/s (Megatron's
@@ -36,7 +36,7 @@ from megatron_pp.models.attention import resolve_backend  # noqa: E402
 from megatron_pp.models.config import TransformerConfig  # noqa: E402
 from megatron_pp.models.presets import get_preset, preset_names  # noqa: E402
 from megatron_pp.planning.efficiency import hardware_for_device  # noqa: E402
-from megatron_pp.training.benchmark import HF_ATTENTION, MFU_FORMAT, run_mfu_benchmark  # noqa: E402
+from megatron_pp.benchmarks.harness import HF_ATTENTION, MFU_FORMAT, run_mfu_benchmark  # noqa: E402
 from megatron_pp.training.flops import device_peak_tflops  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -2,7 +2,7 @@
 
     python tools/bench_schedules.py --pp 2 --microbatches 8 --rounds 7 --json runs/bench_schedules.json
 
-See megatron_pp/training/benchmark.py for the method and docs/benchmarks.md for recorded results.
+See megatron_pp/benchmarks/harness.py for the method and docs/benchmarks.md for recorded results.
 """
 import argparse
 import json
@@ -12,7 +12,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_pp.training.benchmark import add_bench_arguments, bench_config_from, run_benchmark  # noqa: E402
+from megatron_pp.benchmarks.harness import add_bench_arguments, bench_config_from, run_benchmark  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@
 
 Pairs (ours vs torch): 1f1b vs Schedule1F1B, interleaved-1f1b vs ScheduleInterleaved1F1B, zb-h1 and zb-h2
 vs ScheduleInterleavedZeroBubble (one stage per rank), zb-v vs ScheduleZBVZeroBubble. Both sides run the
-chunks our model builder makes for the pair's placement (megatron_pp/training/vs_torch.py says how they are
+chunks our model builder makes for the pair's placement (megatron_pp/benchmarks/vs_torch.py says how they are
 wrapped, and how activation bytes are counted the same way on both sides). Before timing, one step of each
 side must give the same loss (relative 1e-5) and the same gradients on every rank (each gradient within
 1e-5 relative); every timed step's loss is checked again. A round then runs, for every pair, one torch
@@ -63,8 +63,8 @@ def run(args, pool=None) -> dict:
     import torch
 
     from megatron_pp.core.local_world import WorkerPool
-    from megatron_pp.training import vs_torch
-    from megatron_pp.training.benchmark import bench_config_from
+    from megatron_pp.benchmarks import vs_torch
+    from megatron_pp.benchmarks.harness import bench_config_from
 
     torch.set_num_threads(1)
     config = bench_config_from(args)
@@ -112,7 +112,7 @@ def run(args, pool=None) -> dict:
 
 
 def _report(args, config, checks: dict, samples: dict) -> dict:
-    from megatron_pp.training import vs_torch
+    from megatron_pp.benchmarks import vs_torch
 
     pairs = {}
     for name, rows in samples.items():
@@ -182,8 +182,8 @@ def format_table(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    from megatron_pp.training.benchmark import add_bench_arguments
-    from megatron_pp.training.vs_torch import TORCH_PAIRS
+    from megatron_pp.benchmarks.harness import add_bench_arguments
+    from megatron_pp.benchmarks.vs_torch import TORCH_PAIRS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=list(TORCH_PAIRS), help=", ".join(TORCH_PAIRS))

@@ -8,7 +8,7 @@ Each schedule runs as `--steps / --segment-steps` calls of pretrain in the same 
 (gloo), each call resuming from the previous one's checkpoint. The JSON gives, per schedule and rank,
 RSS at the first step, after the first segment (warm-up) and at the last step, the least-squares slope
 of RSS over the second half of every later segment in KB per step, and the RSS jump per resume (see
-megatron_pp/training/soak.py). The exit status is 1 when any slope exceeds --max-slope-kb. Results
+megatron_pp/benchmarks/soak.py). The exit status is 1 when any slope exceeds --max-slope-kb. Results
 on the reference machine are in docs/reliability.md.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_pp.core.local_world import WorkerPool  # noqa: E402
-from megatron_pp.training.soak import BASE, SCHEDULES, run_schedule  # noqa: E402
+from megatron_pp.benchmarks.soak import BASE, SCHEDULES, run_schedule  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp.training.soak import BASE, SCHEDULES, rss_bytes, run_schedule, slope_per_step, summarize
+from megatron_pp.benchmarks.soak import BASE, SCHEDULES, rss_bytes, run_schedule, slope_per_step, summarize
 from tests.dist import run_distributed
 
 # Loose enough for allocator noise over 10-sample windows on a shared 2-vCPU machine, tight enough to

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from megatron_pp.models.presets import get_preset  # noqa: E402
 from megatron_pp.models.transformer import build_model  # noqa: E402
-from megatron_pp.training.benchmark import (  # noqa: E402
+from megatron_pp.benchmarks.harness import (  # noqa: E402
     MFU_FORMAT,
     build_hf_llama,
     copy_weights_to_hf,
@@ -133,7 +133,7 @@ def test_default_shapes_on_gpu(tmp_path):
 def test_hf_baseline_runs_the_attention_it_was_asked_for(implementation):
     """Set on the config after construction, transformers ignores the choice; the constructor is honoured
     and the benchmark reads back what the model will dispatch to."""
-    from megatron_pp.training.benchmark import hf_attention_in_use
+    from megatron_pp.benchmarks.harness import hf_attention_in_use
 
     config = dataclasses.replace(get_preset("llama-tiny"), num_layers=1, attention_backend="sdpa")
     hf = build_hf_llama(config, implementation, torch.device("cpu"))

@@ -1,0 +1,1 @@
+"""Benchmark harnesses: paired schedule timing, MFU, the torch.distributed.pipelining comparison and the soak test."""
