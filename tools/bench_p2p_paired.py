@@ -3,7 +3,7 @@
     git worktree add ../before <commit>
     python tools/bench_p2p_paired.py --before-tree ../before --pairs 5 --json docs/results/p2p_async_cpu.json
 
-Each pair runs `tools/bench_schedules.py` once from the other tree and once from this one (the order flips
+Each pair runs `benchmarks/bench_schedules.py` once from the other tree and once from this one (the order flips
 every pair, so a drift in machine load favours neither), each invocation on the same model, data and
 schedules, and takes each schedule's median step time over its rounds. The reported ratio is the median
 over pairs of after / before: below 1 means this tree is faster. Any change can be compared this way
@@ -27,7 +27,7 @@ from megatron_pp.cli import write_json  # noqa: E402
 def one_run(tree: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, os.path.join(tree, "tools", "bench_schedules.py"), "--schedules", *args.schedules,
+        cmd = [sys.executable, os.path.join(tree, "benchmarks", "bench_schedules.py"), "--schedules", *args.schedules,
                "--pp", str(args.pp), "--microbatches", str(args.microbatches), "--chunks", str(args.chunks),
                "--rounds", str(args.rounds), "--num-layers", str(args.num_layers),
                "--hidden-size", str(args.hidden_size), "--seq-length", str(args.seq_length),
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     before = os.path.abspath(args.before_tree)
-    if not os.path.isfile(os.path.join(before, "tools", "bench_schedules.py")):
-        parser.error(f"--before-tree {args.before_tree}: no tools/bench_schedules.py there")
+    if not os.path.isfile(os.path.join(before, "benchmarks", "bench_schedules.py")):
+        parser.error(f"--before-tree {args.before_tree}: no benchmarks/bench_schedules.py there")
     pairs, load_start = [], os.getloadavg()[0]
     for k in range(args.pairs):
         order = [("before", before), ("after", HERE)]

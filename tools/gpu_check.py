@@ -10,10 +10,10 @@ Steps, each a subprocess whose exit code, duration and last lines of output go i
 2. `pretrain_gpt.py` under `torchrun` on one GPU with the NCCL backend, once per schedule family that
    runs on a single pipeline rank, with data parallelism of 1 and mock data (a family that cannot run at
    pp 1 is listed as refused with the validator's line, not silently skipped);
-3. `tools/bench_mfu.py` (LLaMA-3-8B-shaped stack cut to fit one GPU, Hugging Face baseline beside it);
-4. `tools/bench_offload.py` (copy bandwidth, the offload ratio k, full-offload cost, PO-H and GIS-H against
+3. `benchmarks/bench_mfu.py` (LLaMA-3-8B-shaped stack cut to fit one GPU, Hugging Face baseline beside it);
+4. `benchmarks/bench_offload.py` (copy bandwidth, the offload ratio k, full-offload cost, PO-H and GIS-H against
    interleaved 1F1B);
-5. `tools/bench_split_backward.py` (BI and BW against the whole backward, bf16).
+5. `benchmarks/bench_split_backward.py` (BI and BW against the whole backward, bf16).
 The report (`docs/results/gpu/<device>-<date>.json`) holds every step, the benchmarks' own JSON and the
 versions; a table goes to stdout. Without CUDA it prints one line saying so and exits 0, so the command
 is safe to put in any job script. Exit code 1 if any step failed.
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CUDA_TESTS = ["tests/schedules/test_offload_store.py", "tests/models/test_attention.py", "tests/tools/test_bench_mfu.py",
+CUDA_TESTS = ["tests/schedules/test_offload_store.py", "tests/models/test_attention.py", "tests/benchmarks/test_bench_mfu.py",
               "tests/models/test_fused_ops.py", "tests/core/test_main_grad.py", "tests/core/test_grad_norm.py"]
 PRETRAIN = ["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "16",
             "--train-iters", "4", "--lr", "1e-3", "--bf16", "--distributed-backend", "nccl", "--log-interval", "1"]
@@ -68,13 +68,13 @@ def steps(python: str, out_dir: str) -> list[dict]:
                      "argv": [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                               str(ROOT / "pretrain_gpt.py"), *pretrain_argv(schedule, extra), "--metrics-file", metrics],
                      "json": metrics, "schedule": schedule, "flags": pretrain_argv(schedule, extra)})
-    plan.append({"name": "bench_mfu", "argv": [python, str(ROOT / "tools" / "bench_mfu.py"), "--json",
+    plan.append({"name": "bench_mfu", "argv": [python, str(ROOT / "benchmarks" / "bench_mfu.py"), "--json",
                                                os.path.join(out_dir, "bench_mfu.json")],
                  "json": os.path.join(out_dir, "bench_mfu.json")})
-    plan.append({"name": "bench_offload", "argv": [python, str(ROOT / "tools" / "bench_offload.py"), "--json",
+    plan.append({"name": "bench_offload", "argv": [python, str(ROOT / "benchmarks" / "bench_offload.py"), "--json",
                                                    os.path.join(out_dir, "bench_offload.json")],
                  "json": os.path.join(out_dir, "bench_offload.json")})
-    plan.append({"name": "bench_split_backward", "argv": [python, str(ROOT / "tools" / "bench_split_backward.py"),
+    plan.append({"name": "bench_split_backward", "argv": [python, str(ROOT / "benchmarks" / "bench_split_backward.py"),
                                                           "--json", os.path.join(out_dir, "bench_split_backward.json")],
                  "json": os.path.join(out_dir, "bench_split_backward.json")})
     return plan

@@ -39,7 +39,7 @@ from megatron_pp.planning.planner import Planner  # noqa: E402
 from megatron_pp.planning.report import launch_flags  # noqa: E402
 
 PRESET = "gpt-tiny"
-# Large enough that compute, not per-action overhead, dominates a CPU step (as in tools/bench_schedules.py).
+# Large enough that compute, not per-action overhead, dominates a CPU step (as in benchmarks/bench_schedules.py).
 SHAPE = dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, max_position_embeddings=128,
              vocab_size=2048)
 BACKEND = "sdpa"  # PyTorch's CPU flash kernel: the model's default attention on CPU

@@ -243,7 +243,7 @@ def run_benchmark(
     return report
 
 
-# Single-device MFU against Hugging Face's LlamaForCausalLM (tools/bench_mfu.py) ---------------------------
+# Single-device MFU against Hugging Face's LlamaForCausalLM (benchmarks/bench_mfu.py) ---------------------------
 #
 # One device, no pipeline: the whole model (a few layers of a LLaMA shape) as one stage, trained step by
 # step on one fixed batch. "Ours" is the framework's real training step: `StageModel` forward and

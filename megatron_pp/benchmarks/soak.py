@@ -1,4 +1,4 @@
-"""The memory soak behind tools/soak.py: train for many steps in resumed segments and sample every
+"""The memory soak behind benchmarks/soak.py: train for many steps in resumed segments and sample every
 rank's resident memory (RSS) after every step, to show that nothing grows per step.
 
 A leak that matters in a weeks-long run is small per step: an activation store that keeps one stash

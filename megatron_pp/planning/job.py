@@ -23,7 +23,7 @@ HOST_LINK_GBPS = {"A100": 31.5, "H100": 63.0, "H200": 63.0}
 """Default host link (PCIe) per GPU and direction, GB/s, by GPU model in the hardware profile's name:
 PCIe 4.0 x16 for A100 (16 GT/s × 16 lanes × 128/130 encoding / 8 = 31.5 GB/s) and PCIe 5.0 x16 for H100 and
 H200 (63 GB/s), per the PCI-SIG base specifications. Theoretical; pinned copies reach about 80% of it,
-so give the measured figure (`tools/bench_offload.py`) with `host_link_gbps` when offload matters."""
+so give the measured figure (`benchmarks/bench_offload.py`) with `host_link_gbps` when offload matters."""
 
 
 def default_host_link_gbps(hardware: HardwareProfile) -> float:

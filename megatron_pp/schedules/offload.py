@@ -22,7 +22,7 @@ Feasibility: k = round-trip copy time / F+B compute time of one layer (arXiv 250
 is free when k ≤ 1; one stream hides about a 1/k share, so PO-H needs about k ≤ 2. With t_B = 2·t_F,
 `offload_time` T (one-way / forward) and k are related by k = 2T / 3, so the default T = 0.25 is
 k ≈ 0.17. `k_from_formula` is Eq. 1 of the paper, `k_from_measurement` the same ratio from a measured
-bandwidth and layer time (tools/bench_offload.py measures both on a GPU).
+bandwidth and layer time (benchmarks/bench_offload.py measures both on a GPU).
 
 Worked example (p=4, m=8, v=2, uniform repeating order, K=1, T=0.25, F = BI = BW = 1): rank 0 offloads
 all eight chunk-0 stashes. F3.0 runs 7..8 and its copy out 8..8.25. BI3.0 starts at 37, so the copy back

@@ -232,7 +232,7 @@ register_option("offload_fraction", "--offload-fraction", float,
                 "Offload ceil(fraction x chunks per rank) chunks instead of --offload-chunks (0.5 = PO-H).")
 register_option("offload_time", "--offload-time", float,
                 "One-way transfer time of one chunk's stash in units of that chunk's forward time, used to place "
-                "the copies (default 0.25; measure with tools/bench_offload.py).")
+                "the copies (default 0.25; measure with benchmarks/bench_offload.py).")
 register_schedule("gpipe", gpipe, supports_virtual=False,
                   description="all forwards, then all backwards; m stashes on every rank")
 register_schedule("1f1b", _one_f_one_b, aliases=("pipedream-flush",), supports_virtual=False,

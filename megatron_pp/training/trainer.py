@@ -78,7 +78,7 @@ class Trainer:
     clock_start: Optional[ClockSync] = None  # the trace's first clock sync (see core/clock.py)
     faults: FaultPlan = field(default_factory=lambda: FaultPlan([], 0, 1))
     on_iteration: Optional[Callable[[dict], None]] = None
-    """Called on every rank with each training row (tools/soak.py samples memory through it)."""
+    """Called on every rank with each training row (benchmarks/soak.py samples memory through it)."""
     nonfinite_streak: int = 0
     recent_losses: list[float] = field(default_factory=list)
     pending_messages: list[str] = field(default_factory=list)

@@ -18,7 +18,7 @@ FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # the shape of a wandb AP
 
 
 def _python_sources():
-    for top in ("megatron_pp", "tools"):
+    for top in ("megatron_pp", "tools", "benchmarks", "dev"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for name in files:
                 if name.endswith(".py"):

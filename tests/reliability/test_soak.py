@@ -1,5 +1,5 @@
 """The memory soak, short: 60 steps of the host-offload schedule (po-h) on two ranks, resumed from a
-checkpoint every 20 steps; RSS after warm-up must not trend upward. The long run (tools/soak.py,
+checkpoint every 20 steps; RSS after warm-up must not trend upward. The long run (benchmarks/soak.py,
 hundreds of steps, five schedules) and its numbers are in docs/reliability.md."""
 from __future__ import annotations
 

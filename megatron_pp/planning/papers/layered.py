@@ -282,5 +282,5 @@ def small_scale_layered(report: PaperReport, small: SmallScale, quick: bool = Tr
         counts.append(f"m={m}: {sum(a.op == Op.REDUCE_GRAD for a in lists[0])}")
     report.trends.append(Trend(
         "DP reductions per step vs m (layered accumulation)", "looped-bfs, pp 4, v 2, one group",
-        "bytes measured by tools/bench_layered.py traffic (docs/layered.md), not by this tool",
+        "bytes measured by benchmarks/bench_layered.py traffic (docs/layered.md), not by this tool",
         "REDUCE_GRAD per rank in the lists: " + ", ".join(counts) + " (one per chunk: independent of m)"))

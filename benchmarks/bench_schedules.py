@@ -1,6 +1,6 @@
 """Benchmark pipeline schedules against a single-process baseline, paired round by round (JSON out).
 
-    python tools/bench_schedules.py --pp 2 --microbatches 8 --rounds 7 --json runs/bench_schedules.json
+    python benchmarks/bench_schedules.py --pp 2 --microbatches 8 --rounds 7 --json runs/bench_schedules.json
 
 See megatron_pp/benchmarks/harness.py for the method and docs/benchmarks.md for recorded results.
 """
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     config = bench_config_from(args)
     report = run_benchmark(args.schedules, pp=args.pp, microbatches=args.microbatches, chunks=args.chunks,
                            rounds=args.rounds, micro_batch=args.micro_batch_size, config=config)
-    report["command"] = "python tools/bench_schedules.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report["command"] = "python benchmarks/bench_schedules.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(report, indent=2)
     print(format_table(report))
     if args.json:

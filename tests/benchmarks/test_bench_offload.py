@@ -1,4 +1,4 @@
-"""tools/bench_offload.py on CPU with tiny shapes: a complete report whose k follows from its own measurements,
+"""benchmarks/bench_offload.py on CPU with tiny shapes: a complete report whose k follows from its own measurements,
 and full offload that really moved stashes and lowered the resident peak."""
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 from megatron_pp.schedules.offload import k_from_formula, k_from_measurement, offload_time_from_k
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_offload  # noqa: E402
 
 
@@ -19,7 +19,7 @@ def test_tiny_cpu_run_writes_a_consistent_report(tmp_path):
             "--microbatches", "4", "--rounds", "1", "--repeats", "1", "--copy-mb", "1", "--json", str(out)]
     assert bench_offload.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["command"] == "python tools/bench_offload.py " + " ".join(argv)
+    assert report["command"] == "python benchmarks/bench_offload.py " + " ".join(argv)
     assert report["device"].startswith("CPU only") and "not PCIe" in report["bandwidth"]["kind"]
     bandwidth = report["bandwidth"]["d2h_bytes_per_s"]
     (layer,) = report["layers"]

@@ -1,11 +1,11 @@
-"""tools/mutation_check.py: the mutants it plants, and a run on a toy repository (one killed, one survivor)."""
+"""dev/mutation_check.py: the mutants it plants, and a run on a toy repository (one killed, one survivor)."""
 import os
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 import mutation_check  # noqa: E402
 
 TOY = '''"""Docstring with 1 and < that is no code."""

@@ -1,11 +1,11 @@
-"""tools/bench_split_backward.py on CPU with tiny shapes: a complete report whose medians come from its rounds."""
+"""benchmarks/bench_split_backward.py on CPU with tiny shapes: a complete report whose medians come from its rounds."""
 import json
 import os
 import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_split_backward  # noqa: E402
 
 
@@ -14,7 +14,7 @@ def test_tiny_cpu_run_writes_a_consistent_report(tmp_path):
     argv = ["--hidden", "64", "--seq", "32", "--layers", "1", "--rounds", "3", "--steps", "1", "--json", str(out)]
     assert bench_split_backward.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["command"] == "python tools/bench_split_backward.py " + " ".join(argv)
+    assert report["command"] == "python benchmarks/bench_split_backward.py " + " ".join(argv)
     assert len(report["rounds"]) == 3 and all(r["b_s"] > 0 and r["bi_s"] > 0 and r["bw_s"] > 0 for r in report["rounds"])
     for key in ("split_over_whole", "input_over_whole", "split_over_whole_cpu"):
         assert report[key] == statistics.median(r[key] for r in report["rounds"])

@@ -1,4 +1,4 @@
-"""tools/bench_vs_torch.py at its smallest (tiny GPT, 2 ranks, 1 round): every pair reports the same loss and
+"""benchmarks/bench_vs_torch.py at its smallest (tiny GPT, 2 ranks, 1 round): every pair reports the same loss and
 gradients as torch.distributed.pipelining, and every field the docs quote."""
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 from tests.dist import pool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_vs_torch  # noqa: E402
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -34,7 +34,7 @@ def test_tiny_run_every_pair_same_work_and_fields(tmp_path):
             assert len(pair[side]["peak_activation_bytes_per_rank"]) == 2
             assert min(pair[side]["peak_activation_bytes_per_rank"]) > 0, (name, side)
     assert report["pairs"]["zb-v"]["chunks_per_rank"] == 2 and report["pairs"]["zb-h1"]["chunks_per_rank"] == 1
-    assert "zb_h1_over_our_1f1b" in report and report["command"].startswith("python tools/bench_vs_torch.py")
+    assert "zb_h1_over_our_1f1b" in report and report["command"].startswith("python benchmarks/bench_vs_torch.py")
 
 
 def test_schedule_without_torch_counterpart_is_refused_before_any_work(capsys):

@@ -1,6 +1,6 @@
 """Time tools/plot_schedule.py at cluster scale: build, simulate and draw one schedule, several rounds (JSON out).
 
-    python tools/bench_plot_schedule.py --schedule interleaved-1f1b --pp 32 --chunks 4 --microbatches 256 \\
+    python dev/bench_plot_schedule.py --schedule interleaved-1f1b --pp 32 --chunks 4 --microbatches 256 \\
         --rounds 3 --json docs/results/plot_schedule_scale.json
 
 Each round builds the schedule (generator, communication, validation), simulates it and draws the PNG
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     median = {key: statistics.median(r[key] if key.startswith("total") else r[key]["cpu_s"] for r in rounds)
               for key in ("build", "simulate", "draw", "total_cpu_s", "total_wall_s")}
     report = {
-        "command": "python tools/bench_plot_schedule.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python dev/bench_plot_schedule.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "schedule": args.schedule, "pp": args.pp, "chunks": args.chunks, "microbatches": args.microbatches,
         "actions": sum(len(a) for a in schedule.actions), "png_bytes": png_bytes,
         "import_s": {"wall_s": _IMPORT[0], "cpu_s": _IMPORT[1]},

@@ -1,8 +1,8 @@
 """Memory soak: hundreds of CPU training steps per schedule, resumed from a checkpoint every segment,
 with every rank's resident memory sampled after every step; fails if RSS trends upward.
 
-    python tools/soak.py                                    # 5 schedules x 500 steps, 2 ranks, JSON to stdout
-    python tools/soak.py --steps 60 --segment-steps 20 --schedules 1f1b po-h --output soak.json
+    python benchmarks/soak.py                                    # 5 schedules x 500 steps, 2 ranks, JSON to stdout
+    python benchmarks/soak.py --steps 60 --segment-steps 20 --schedules 1f1b po-h --output soak.json
 
 Each schedule runs as `--steps / --segment-steps` calls of pretrain in the same two worker processes
 (gloo), each call resuming from the previous one's checkpoint. The JSON gives, per schedule and rank,
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     finally:
         pool.close()
     report = {
-        "command": "python tools/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
         "world_size": 2, "steps_per_schedule": args.steps, "segment_steps": args.segment_steps,
         "max_slope_kb_per_step": args.max_slope_kb, "seconds": round(time.monotonic() - started, 1),

@@ -1,10 +1,10 @@
-"""tools/bench_schedules.py on a tiny CPU run: every field, for gpipe, 1f1b and interleaved."""
+"""benchmarks/bench_schedules.py on a tiny CPU run: every field, for gpipe, 1f1b and interleaved."""
 import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_schedules  # noqa: E402
 
 

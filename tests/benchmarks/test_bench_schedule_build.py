@@ -1,4 +1,4 @@
-"""tools/bench_schedule_build.py at small sizes: every phase timed, action counts and growth reported."""
+"""benchmarks/bench_schedule_build.py at small sizes: every phase timed, action counts and growth reported."""
 import json
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_schedule_build  # noqa: E402
 
 
@@ -22,7 +22,7 @@ def test_small_run_reports_every_phase(tmp_path):
         assert row["total_cpu_s"] == pytest.approx(row["build_cpu_s"] + row["simulate_cpu_s"])
         assert 0 < row["bubble_fraction"] < 1
     assert "growth_vs_linear" in second and "growth_vs_linear" not in first
-    assert report["command"].startswith("python tools/bench_schedule_build.py")
+    assert report["command"].startswith("python benchmarks/bench_schedule_build.py")
 
 
 def test_bad_sizes_are_refused_in_one_line(capsys):

@@ -1,7 +1,7 @@
 """Single-device MFU of a LLaMA-3-8B-shaped stack, and its throughput against Hugging Face's LlamaForCausalLM.
 
-    python tools/bench_mfu.py --json runs/bench_mfu_h100.json            # GPU: 4 layers, seq 4096, bf16
-    python tools/bench_mfu.py --scale tiny --rounds 3 --json runs/tiny.json   # CPU smoke test, seconds
+    python benchmarks/bench_mfu.py --json runs/bench_mfu_h100.json            # GPU: 4 layers, seq 4096, bf16
+    python benchmarks/bench_mfu.py --scale tiny --rounds 3 --json runs/tiny.json   # CPU smoke test, seconds
 
 Builds a few layers (default 4) of the `llama3-8b` preset (hidden 4096, MLP 14336, 32 query heads in 8
 key/value groups, RoPE theta 500000, vocabulary 128256, untied output) with the framework's model code,
@@ -196,7 +196,7 @@ def format_table(report: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    command = "python tools/bench_mfu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench_mfu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         report = run(args, command)
     except ValueError as err:

@@ -1,8 +1,8 @@
 """Measure what decides whether PipeOffload is free: copy bandwidth, layer time, the ratio k, and the cost
 of full offload on one device.
 
-    python tools/bench_offload.py --json runs/bench_offload.json            # a GPU: defaults sized for it
-    python tools/bench_offload.py --hidden 256 512 --seq 128 256 --stack-hidden 256 --stack-seq 128 \\
+    python benchmarks/bench_offload.py --json runs/bench_offload.json            # a GPU: defaults sized for it
+    python benchmarks/bench_offload.py --hidden 256 512 --seq 128 256 --stack-hidden 256 --stack-seq 128 \\
         --layers 4 --copy-mb 64 --json runs/bench_offload_cpu.json          # CPU: only a smoke test
 
 1. Bandwidth: one-way device-to-host and host-to-device copy rate into pinned host memory (the PCIe
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__, "dtype": str(dtype), "bandwidth": bandwidth, "layers": rows,
         "full_offload": {**cost, "k": stack_k},
         "against_interleaved": compare,
-        "command": "python tools/bench_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/bench_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""tools/bench_layered.py's emulated data-parallel link: results stay exact, completions respect the link."""
+"""benchmarks/bench_layered.py's emulated data-parallel link: results stay exact, completions respect the link."""
 import os
 import sys
 import time
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_layered  # noqa: E402
 
 

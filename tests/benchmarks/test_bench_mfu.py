@@ -1,4 +1,4 @@
-"""tools/bench_mfu.py: a tiny CPU run writes a complete report in which our model and Hugging Face's
+"""benchmarks/bench_mfu.py: a tiny CPU run writes a complete report in which our model and Hugging Face's
 LlamaForCausalLM have the same parameters and the same first loss; on a GPU, the default shapes give an MFU."""
 import dataclasses
 import json
@@ -21,7 +21,7 @@ from megatron_pp.benchmarks.harness import (  # noqa: E402
 from megatron_pp.training.flops import iteration_flops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_mfu  # noqa: E402
 
 REPORT_FIELDS = {"format", "command", "date", "device", "versions", "model", "attention", "attention_in_use", "rounds", "steps_per_round",
@@ -55,7 +55,7 @@ def test_tiny_cpu_run_writes_a_complete_report(tmp_path, capsys, monkeypatch):
     report = json.loads(out.read_text())
     assert set(report) == REPORT_FIELDS
     assert report["attention_in_use"] == report["attention"]  # each side ran the kernel the table names
-    assert report["format"] == MFU_FORMAT and report["command"] == "python tools/bench_mfu.py " + " ".join(argv)
+    assert report["format"] == MFU_FORMAT and report["command"] == "python benchmarks/bench_mfu.py " + " ".join(argv)
     assert report["device"]["type"] == "cpu" and report["device"]["peak_tflops"] is None
     assert {"python", "torch", "transformers", "cuda", "flash_attn"} <= set(report["versions"])
     model = report["model"]

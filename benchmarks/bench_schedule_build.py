@@ -1,6 +1,6 @@
 """Time building, validating and simulating one registered schedule at growing m (JSON out).
 
-    python tools/bench_schedule_build.py --schedule interleaved-1f1b --pp 32 --chunks 4 \
+    python benchmarks/bench_schedule_build.py --schedule interleaved-1f1b --pp 32 --chunks 4 \
         --microbatches 256 512 1024 --json docs/results/schedule_build.json
 
 Each size is timed in three phases on the same lists: `build` (generator, communication insertion and the
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
               "python": platform.python_version(), "machine": platform.machine(),
               "cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-              "command": "python tools/bench_schedule_build.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python benchmarks/bench_schedule_build.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.json:
         write_json(args.json, report)
     return 0

@@ -1,6 +1,6 @@
 """Our schedules against torch.distributed.pipelining's on the same chunks, data and microbatches (JSON out).
 
-    python tools/bench_vs_torch.py --rounds 5 --json docs/results/vs_torch_cpu.json
+    python benchmarks/bench_vs_torch.py --rounds 5 --json docs/results/vs_torch_cpu.json
 
 Pairs (ours vs torch): 1f1b vs Schedule1F1B, interleaved-1f1b vs ScheduleInterleaved1F1B, zb-h1 and zb-h2
 vs ScheduleInterleavedZeroBubble (one stage per rank), zb-v vs ScheduleZBVZeroBubble. Both sides run the
@@ -208,7 +208,7 @@ def parse_args(argv=None):
 def main(argv=None, pool=None) -> int:
     args = parse_args(argv)
     report = run(args, pool)
-    report["command"] = "python tools/bench_vs_torch.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report["command"] = "python benchmarks/bench_vs_torch.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(format_table(report))
     if args.json:
         write_json(args.json, report)

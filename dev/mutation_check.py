@@ -1,9 +1,9 @@
 """Mutation check: plant small bugs in the modules that carry numbers and see whether the tests notice.
 
-    python tools/mutation_check.py --sample 40 --seed 23 --timeout 900 --out docs/results/mutation_seed23.json
-    python tools/mutation_check.py --only megatron_pp/core/grads.py:253:25:cmp   # re-run chosen mutants
-    python tools/mutation_check.py --list                                         # count mutants per module
-    python tools/mutation_check.py --annotate docs/results/mutation.json --notes docs/results/mutation_notes.json
+    python dev/mutation_check.py --sample 40 --seed 23 --timeout 900 --out docs/results/mutation_seed23.json
+    python dev/mutation_check.py --only megatron_pp/core/grads.py:253:25:cmp   # re-run chosen mutants
+    python dev/mutation_check.py --list                                         # count mutants per module
+    python dev/mutation_check.py --annotate docs/results/mutation.json --notes docs/results/mutation_notes.json
 
 Each mutant changes one spot of one module in a private copy of the repository (the working tree is
 never touched): a comparison flipped at its boundary (`<` <-> `<=`, `>` <-> `>=`, `==` <-> `!=`), an
@@ -409,7 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mutants = sorted(random.Random(args.seed).sample(mutants, min(args.sample, len(mutants))),
                          key=lambda m: (m.path, m.line, m.col, m.operator))
     results = check(ROOT, mutants, args.timeout)
-    command = "python tools/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python dev/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = report(results, notes, command)
     print(f"{summary['killed']} of {summary['non_equivalent']} non-equivalent mutants killed "
           f"({summary['equivalent']} equivalent, {len(summary['survivors'])} survived)")

@@ -1,8 +1,8 @@
 """Measure layered gradient accumulation and the modular pipeline: dp traffic, exposed reduction, bubble.
 
-    python tools/bench_layered.py traffic --microbatches 2 4 8 16
-    python tools/bench_layered.py exposed --steps 6
-    python tools/bench_layered.py bubble --steps 5
+    python benchmarks/bench_layered.py traffic --microbatches 2 4 8 16
+    python benchmarks/bench_layered.py exposed --steps 6
+    python benchmarks/bench_layered.py bubble --steps 5
 
 `traffic` counts the collectives on the data-parallel group (`core.comm_counter.CommCounter`) over one
 training step (the reducer's run and the optimizer step; not the two scalar all-reduces of token count
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     report = {"traffic": run_traffic, "exposed": run_exposed, "bubble": run_bubble}[args.command](args)
-    report["command"] = "python tools/bench_layered.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report["command"] = "python benchmarks/bench_layered.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         write_json(args.json, report)
     return 0

@@ -1,6 +1,6 @@
 """Time the split backward against the whole one: BI (input gradient) and BW (weight GEMMs) vs B, paired.
 
-    python tools/bench_split_backward.py --json docs/results/split_backward_cpu.json
+    python benchmarks/bench_split_backward.py --json docs/results/split_backward_cpu.json
 
 A stack of `--layers` LLaMA-shaped transformer layers (RMSNorm, grouped-query attention, SwiGLU, RoPE) of the
 framework's own model code runs a forward on one microbatch, then either one whole backward (B) or the
@@ -122,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     spread = {key: [min(r[key] for r in rounds), max(r[key] for r in rounds)]
               for key in ("split_over_whole", "input_over_whole", "split_over_whole_cpu")}
     report = {
-        "command": "python tools/bench_split_backward.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/bench_split_backward.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__, "dtype": str(dtype), "threads": torch.get_num_threads(),
         "shape": {"hidden": args.hidden, "seq": args.seq, "layers": args.layers, "micro_batch": 1,

@@ -1,6 +1,6 @@
 """Benchmark PipeDream-2BW against 1F1B (PipeDream-Flush): training step time, paired round by round.
 
-    python tools/bench_2bw.py --pp 2 --microbatches 2 4 8 --rounds 5 --json runs/bench_2bw.json
+    python benchmarks/bench_2bw.py --pp 2 --microbatches 2 4 8 --rounds 5 --json runs/bench_2bw.json
 
 Each round trains the same small GPT on mock data with `--pipeline-schedule 1f1b` and with `2bw` (the
 order alternates from round to round) on a local gloo world of pp processes, one thread each, through
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
              "--train-iters", str(args.iterations), "--lr", "1e-4", "--log-interval", str(10 ** 6),
              "--pipeline-model-parallel-size", str(args.pp)]
     pool = WorkerPool(args.pp)
-    report = {"command": "python tools/bench_2bw.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"command": "python benchmarks/bench_2bw.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pp": args.pp, "cases": {}}
     try:
         for m in args.microbatches:
