@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
-from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION  # noqa: E402
+from megatron_pp.planning.memory import DEFAULT_RESERVED_FRACTION  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, load_hardware  # noqa: E402
 from megatron_pp.planning.job import GIB, Cluster, Job, Plan, Prediction  # noqa: E402
 from megatron_pp.planning.memory import RECOMPUTE_OPTIONS  # noqa: E402

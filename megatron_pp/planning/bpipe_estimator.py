@@ -45,10 +45,11 @@ from typing import Optional, Sequence
 
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
+from megatron_pp.planning.cost import compute_costs
 from megatron_pp.planning.efficiency import (BF16_BYTES, EfficiencyModel, HardwareProfile, LayerShape, LayerTimes,
                                              MeasuredCurve, Roofline)
-from megatron_pp.planning.memory import (MEGATRON_BF16, RECOMPUTE_OPTIONS, Numerics, stage_state_bytes, stash_bytes,
-                                         transient_activation_bytes)
+from megatron_pp.planning.memory import (DEFAULT_RESERVED_FRACTION, MEGATRON_BF16, RECOMPUTE_OPTIONS, Numerics,
+                                         stage_state_bytes, stash_bytes, transient_activation_bytes)
 from megatron_pp.schedules.bpipe import add_bpipe, default_max_resident
 from megatron_pp.schedules.comm import insert_communication
 from megatron_pp.schedules.generators import one_f_one_b
@@ -57,10 +58,6 @@ from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
 
 GIB = 2 ** 30
-DEFAULT_RESERVED_FRACTION = 0.10
-"""Share of device memory kept out of the activation budget for the CUDA context, NCCL buffers, kernel
-workspaces and allocator fragmentation. An assumption, not a measurement: docs/bpipe.md shows how the
-answers move with it."""
 
 
 # Stash counts ---------------------------------------------------------------------------------------------
@@ -205,8 +202,6 @@ def _stage_times(job: Job, layer: LayerTimes, b: int, recompute: str,
                  hardware: HardwareProfile) -> list[tuple[float, float]]:
     """(F, B) seconds of each stage for one microbatch (the planner's `cost.compute_costs`); B includes what
     recomputation re-runs."""
-    from megatron_pp.planning.cost import compute_costs  # here: cost imports planning.job, which imports us
-
     costs = compute_costs(job.config, job.stages, layer, hardware, micro_batch=b, tp=job.tp,
                           sequence_parallel=job.sequence_parallel, recompute=recompute)
     return [(costs[(Op.F, spec.stage)], costs[(Op.B, spec.stage)]) for spec in job.stages]

@@ -13,9 +13,8 @@ from typing import Optional
 
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.presets import get_preset
-from megatron_pp.planning.bpipe_estimator import DEFAULT_RESERVED_FRACTION
 from megatron_pp.planning.efficiency import HardwareProfile
-from megatron_pp.planning.memory import CPU_FP32, MEGATRON_BF16, Numerics, attention_kind
+from megatron_pp.planning.memory import CPU_FP32, DEFAULT_RESERVED_FRACTION, MEGATRON_BF16, Numerics, attention_kind
 
 GIB = 2 ** 30
 

@@ -82,6 +82,10 @@ from megatron_pp.models.layout import StageSpec
 
 ATTENTION_KINDS = ("unfused", "flash")
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
+DEFAULT_RESERVED_FRACTION = 0.10
+"""Share of device memory kept out of the activation budget for the CUDA context, NCCL buffers, kernel
+workspaces and allocator fragmentation. An assumption, not a measurement: docs/bpipe.md shows how the
+answers move with it."""
 
 
 @dataclass(frozen=True)

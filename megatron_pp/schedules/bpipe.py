@@ -18,7 +18,7 @@ p − x > K evict (x ≤ p/2 − 2 for even p); the middle rank of an odd p has 
 backward order, and so the bubble and the numerics, are those of 1F1B.
 
 The partner's list gets the other side of each transfer when communication is inserted
-(`insert_communication` calls `add_hosting`): `ACCEPTj.c<x` posts the receive of x's stash (j, c) into
+(`add_hosting`, a pass this module registers to run at the end of `insert_communication`): `ACCEPTj.c<x` posts the receive of x's stash (j, c) into
 new buffers, `RETURNj.c>x` sends it back, in the evictor's order. Both are posted without waiting and
 cost the partner's compute nothing; their place in the list is what orders them against the partner's
 pipeline transfers, identically on every run. Each goes right after the partner's last compute that,
@@ -68,7 +68,7 @@ import dataclasses
 import warnings
 from collections import deque
 
-from megatron_pp.schedules.comm import RendezvousReplay, insert_communication
+from megatron_pp.schedules.comm import RendezvousReplay, insert_communication, register_communication_pass
 from megatron_pp.schedules.ir import COMM_OPS, HOSTING_OPS, PARTNER_OP, SIDE_OPS, Action, Op, Schedule, ScheduleError
 from megatron_pp.schedules.simulate import CostModel, simulate
 
@@ -131,7 +131,7 @@ def add_bpipe(schedule: Schedule, max_resident: int | None = None) -> Schedule:
     """The pass: EVICT/LOAD on every rank x < p − 1 − x whose count exceeds `max_resident` (default K).
 
     Returns compute lists plus transfers. Communication is inserted later, as for every schedule, and with
-    it the partner's side of each transfer (`add_hosting`, which `insert_communication` calls). It places
+    it the partner's side of each transfer (`add_hosting`, which `insert_communication` runs as a registered pass). It places
     EVICT/LOAD by counting alone; `warn_unhidden_transfers` checks them on a simulated timeline.
     """
     bound = _check_input(schedule, max_resident)
@@ -146,7 +146,7 @@ def add_bpipe(schedule: Schedule, max_resident: int | None = None) -> Schedule:
 def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
     """Give every acceptor the ACCEPT/RETURN of its evictor's EVICT/LOAD (see the module docstring).
 
-    `schedule` has its pipeline communication (`insert_communication` calls this last) and EVICT/LOAD on
+    `schedule` has its pipeline communication (`insert_communication` runs this pass last) and EVICT/LOAD on
     the evictors only. A hosting action first goes right before the receives of the acceptor's first
     compute that, in a simulation under `costs` with the acceptor taken as always ready, ends after its
     transfer starts (after the sends of the compute before: it is posted when that compute ends, no later
@@ -200,6 +200,9 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
     raise ScheduleError("bpipe: found no deadlock-free place for the acceptor's side of the transfers; stuck at "
                         + "; ".join(b.describe() for b in blocked))
 
+
+
+register_communication_pass(frozenset(PARTNER_OP), add_hosting)
 
 def _insert_before(actions: list[Action], slots: list[int], hosting: list[Action]) -> list[Action]:
     """`actions` with hosting[k] inserted before actions[slots[k]] (several at one place in their order)."""

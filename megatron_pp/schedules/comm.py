@@ -1,8 +1,7 @@
 """Pipeline communication: which messages a schedule needs, how they pair up, and the pass that inserts them.
 
 A generator emits compute only. `insert_communication` adds a SEND after every compute whose result goes
-to another rank and a RECV before every compute whose input comes from another rank (and, for BPipe's
-EVICT/LOAD, the partner's ACCEPT/RETURN: `bpipe.add_hosting`), then moves receives
+to another rank and a RECV before every compute whose input comes from another rank, then moves receives
 earlier where needed: (1) so that every directed link (rank a -> rank b) receives in the order it sends,
 since messages on a link match in posting order whatever their kind, and (2) so that the lists cannot
 deadlock under blocking (rendezvous) semantics with the batching rule of `ir` (consecutive communication
@@ -11,6 +10,11 @@ the next B are adjacent and so already batch as Megatron's `send_forward_recv_ba
 hoisted further only when the rendezvous replay finds a send blocked on it, into the batch where its rank
 is waiting anyway, so no receive is posted earlier than it must be. The replay used for that is the one
 the validator runs (`RendezvousReplay`).
+
+Last, it runs the passes registered with `register_communication_pass` for the operations the lists contain.
+This pass knows no schedule by name: a schedule whose actions need more than sends and receives (BPipe's
+EVICT/LOAD need the partner's ACCEPT/RETURN, placed by `bpipe.add_hosting`) registers its pass for those
+operations, the way a plugin would.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import dataclasses
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 from megatron_pp.schedules.ir import (COMM_OPS, HOSTING_OPS, PARTNER_OP, SEND_OPS, SIDE_OPS, Action, Op, Schedule,
                                       ScheduleError, whole_schedule_pass)
@@ -28,6 +33,23 @@ Link = tuple
 """A directed pipeline link (sending rank, receiving rank); a BPipe parking link also names its group
 (sending rank, receiving rank, "EVICT" or "LOAD")."""
 PARKING_SENDS = frozenset({Op.EVICT, Op.RETURN})
+
+CommunicationPass = Callable[[Schedule], Schedule]
+_PASSES_AFTER_COMMUNICATION: list[tuple[frozenset[Op], CommunicationPass]] = []
+
+
+def register_communication_pass(ops: frozenset[Op] | set[Op], pass_fn: CommunicationPass) -> None:
+    """Run `pass_fn` at the end of every `insert_communication` whose input contains one of `ops`.
+
+    Passes run in registration order on the lists with their sends and receives in place; each returns the
+    schedule it was given or a rewritten copy. Registering the same (ops, pass) again is a no-op, so a module
+    imported twice (a plugin file reloaded) registers once.
+    """
+    entry = (frozenset(ops), pass_fn)
+    if not entry[0]:
+        raise ValueError("register_communication_pass: name at least one operation that triggers the pass")
+    if entry not in _PASSES_AFTER_COMMUNICATION:
+        _PASSES_AFTER_COMMUNICATION.append(entry)
 """The sending side of each parking link (EVICT -> ACCEPT, RETURN -> LOAD)."""
 HOIST_TO_SEND_ONLY_BATCHES = "hoist_to_send_only_batches"
 """Schedule option: when a receive must be hoisted, prefer a peer blocked in a batch without receives
@@ -379,13 +401,13 @@ def insert_communication(schedule: Schedule) -> Schedule:
     itself deadlocks (some rank waits for data that can only come after it proceeds).
     """
     p = schedule.num_ranks
-    parking = False  # whether some rank parks stashes on a partner (BPipe), whose side `add_hosting` adds
+    present: set[Op] = set()  # operations of the input, for the passes registered after communication
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.op in _INSERTED_OPS:
                 raise ScheduleError(f"rank {rank}, action {i} ({a}): schedule {schedule.name!r} already has "
                                     "communication; insert_communication expects compute-only lists")
-            parking = parking or a.op in PARTNER_OP
+            present.add(a.op)
     sends_after: list[dict[int, Action]] = [{} for _ in range(p)]  # a compute sends to one rank at most
     # Per link, in the sender's order: (message, index of its producer in the sender's compute list).
     sent: dict[Link, list[tuple[Message, int]]] = defaultdict(list)
@@ -456,8 +478,14 @@ def insert_communication(schedule: Schedule) -> Schedule:
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
                                 + "; ".join(b.describe() for b in replay.blocked()))
     with_comm = dataclasses.replace(schedule, actions=lists)
-    if parking:
-        from megatron_pp.schedules.bpipe import add_hosting  # the acceptor's side of BPipe's parking
-
-        with_comm = add_hosting(with_comm)
+    handled: set[Op] = set()
+    for ops, pass_fn in _PASSES_AFTER_COMMUNICATION:
+        if ops & present:
+            with_comm = pass_fn(with_comm)
+            handled |= ops
+    unhandled = (present & set(PARTNER_OP)) - handled
+    if unhandled:
+        raise ScheduleError(f"schedule {schedule.name!r} has {', '.join(sorted(o.name for o in unhandled))} actions "
+                            "but no pass places their partner's side: import the module that registers it "
+                            "(megatron_pp.schedules.bpipe for BPipe's parking)")
     return with_comm
