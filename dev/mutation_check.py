@@ -44,6 +44,11 @@ from megatron_pp.cli import ExitingArgumentParser, write_json  # noqa: E402
 
 EDGES = "tests/training/test_exactness_edges.py"
 SAFETY = "tests/reliability/test_safety.py"
+# The argument parser's modules (flags, config files, the job's schedule, the checks) share their tests.
+ARGUMENT_TESTS = ["tests/training/test_arguments.py", "tests/training/test_argument_properties.py",
+                  f"{SAFETY}::test_config_files_cannot_send_outputs_outside_the_run_directory",
+                  f"{SAFETY}::test_relative_outputs_in_config_files_and_any_path_on_the_command_line_are_fine",
+                  f"{EDGES}::test_refused_combinations_name_their_flags"]
 SIZES = "tests/schedules/test_generators.py::test_every_generator_refuses_sizes_that_are_not_positive_ints_naming_the_argument"
 # Module -> the tests that cover it (pytest arguments: files or node ids).
 COVERING: dict[str, list[str]] = {
@@ -118,11 +123,10 @@ COVERING: dict[str, list[str]] = {
                                         # the trace's clock notes (offsets and error bounds per rank)
                                         "tests/core/test_clock.py::test_ranks_line_up_in_the_trace_despite_a_shifted_clock",
                                         SAFETY],
-    "megatron_pp/training/arguments.py": ["tests/training/test_arguments.py",
-                                          "tests/training/test_argument_properties.py",
-                                          f"{SAFETY}::test_config_files_cannot_send_outputs_outside_the_run_directory",
-                                          f"{SAFETY}::test_relative_outputs_in_config_files_and_any_path_on_the_command_line_are_fine",
-                                          f"{EDGES}::test_refused_combinations_name_their_flags"],
+    "megatron_pp/training/arguments.py": ARGUMENT_TESTS,
+    "megatron_pp/training/flags.py": ARGUMENT_TESTS,
+    "megatron_pp/training/config_files.py": ARGUMENT_TESTS,
+    "megatron_pp/training/job_schedule.py": ARGUMENT_TESTS,
     "megatron_pp/training/checkpointing.py": ["tests/training/test_checkpointing.py",
                                               "tests/training/test_2bw_resume.py",
                                               "tests/reliability/test_faults.py",

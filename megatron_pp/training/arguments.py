@@ -1,17 +1,4 @@
-"""Command-line arguments with Megatron-LM's flag names, YAML config files, and validation.
-
-One source of truth per kind of flag: model-shape flags are generated from `TransformerConfig`'s fields
-(a new field gets its flag, with the field's docstring as help), schedule options from the schedule
-registry (`register_option`), data and tokenizer flags from the data package's `DataConfig`; the
-training flags are declared here. Where Megatron spells a model setting differently from the field
-(`--disable-bias-linear` for `add_bias_linear=False`, `--swiglu`, `--use-flash-attn`), its spelling is
-registered as well. Model flags default to None so that a `--model-preset` supplies the base and only
-flags given explicitly override it.
-
-`--config FILE` reads a YAML mapping whose keys are flag names (with dashes or underscores: `lr`,
-`micro-batch-size`, `pipeline_schedule`); it is expanded into flags placed *before* the command line,
-so a flag given on the command line wins. An on/off flag set in the file cannot be switched off again
-on the command line. A key that names no flag is an error naming the key and the file.
+"""Validation and parsing of the training scripts' arguments (flags in `flags`, config files in `config_files`).
 
 `validate_args` returns every problem at once, one line each, naming the flag, and touches nothing;
 `parse_args` prints them and exits with status 2 before any process group, model or data exists, then
@@ -21,333 +8,31 @@ derives what Megatron derives (`--global-batch-size` defaults to micro-batch × 
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import dataclasses
-import inspect
 import os
 import sys
-import typing
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import read_launch_env
-from megatron_pp.data.builder import add_data_args, check_data_args, data_config_from_args, parse_split
+from megatron_pp.data.builder import check_data_args, data_config_from_args, parse_split
 from megatron_pp.models.config import TransformerConfig, flag
 from megatron_pp.schedules.ir import Schedule
-from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins
-from megatron_pp.schedules.registry import schedule_options
+from megatron_pp.schedules.plugins import PluginError, load_plugins
 from megatron_pp.schedules.schedule_file import FILE_SCHEDULE_OPTIONS
+from megatron_pp.training.config_files import ConfigFileError, expand_config_file
 from megatron_pp.training.errors import agree_on_usage_errors
+from megatron_pp.training.flags import ArgumentError, build_parser
+from megatron_pp.training.job_schedule import (build_job_schedule, fixed_placement, job_schedule_options, num_chunks,
+                                               schedule_source, schedule_takes_offload_time, virtual_stages_given)
 
-# Fields that are not set by their own generated flag (Megatron spells them differently, or they are
-# derived from precision flags).
-_SPECIAL_FIELDS = {"add_bias_linear", "untie_embeddings_and_output_weights", "params_dtype"}
-
-
-def _field_docs() -> dict[str, str]:
-    """Attribute docstrings of TransformerConfig (the string literal after each field)."""
-    tree = ast.parse(inspect.getsource(TransformerConfig))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
-    return docs
-
-
-def _base_type(annotation: Any) -> type:
-    hints = typing.get_args(annotation)
-    return next((h for h in hints if h is not type(None)), annotation) if hints else annotation
-
-
-# The parser -------------------------------------------------------------------------------------------
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model (generated from TransformerConfig)")
-    docs = _field_docs()
-    hints = typing.get_type_hints(TransformerConfig)
-    for f in dataclasses.fields(TransformerConfig):
-        if f.name in _SPECIAL_FIELDS:
-            continue
-        kind = _base_type(hints[f.name])
-        group.add_argument(flag(f.name), dest=f.name, type=kind, default=None, help=docs.get(f.name, ""))
-    group.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None,
-                       help="No biases in the attention and MLP linear layers (LLaMA).")
-    group.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
-                       action="store_true", default=None, help="Separate output layer instead of the tied embedding.")
-    group.add_argument("--swiglu", dest="activation", action="store_const", const="swiglu",
-                       help="SwiGLU MLP (same as --activation swiglu).")
-    group.add_argument("--group-query-attention", action="store_true",
-                       help="Use grouped-query attention with --num-query-groups key/value heads.")
-    group.add_argument("--use-flash-attn", action="store_true",
-                       help="flash-attn kernels (same as --attention-backend flash).")
-    group.add_argument("--model-preset", default=None, help="Named preset (e.g. gpt3-125m, llama2-7b, gpt-tiny).")
-
-
-class ArgumentError(Exception):
-    """Usage errors found while parsing and validating, one line each (see `parse_args`)."""
-
-    def __init__(self, lines: Sequence[str]) -> None:
-        super().__init__("; ".join(lines))
-        self.lines = list(lines)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints a usage block before its message; a bad flag here is one line, like every other
-    argument error (`error: ...`, exit status 2)."""
-
-    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        raise ArgumentError([message])
-
-
-def build_parser(description: str = "megatron_pp pretraining") -> argparse.ArgumentParser:
-    parser = _OneLineParser(description=description, allow_abbrev=False)
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML file of flag values (keys are flag names); command-line flags override it.")
-    add_model_args(parser)
-
-    par = parser.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                     help="Layers per virtual stage; chunks per rank v = layer slots / (pp x this).")
-    par.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                     help="Chunks per rank v directly (alternative to --num-layers-per-virtual-pipeline-stage).")
-    par.add_argument("--sequence-parallel", action="store_true")
-    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
-    par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    par.add_argument("--pipeline-schedule", default="1f1b", action=_NamedSchedule,
-                     help="Pipeline schedule by name (see docs/schedules.md).")
-    par.add_argument("--pipeline-schedule-file", default=None, metavar="FILE",
-                     help="Run the action lists in FILE instead of a registered schedule: torch.distributed.pipelining's "
-                          "compute-only CSV or this project's JSON (docs/plugins.md). Ranks, microbatches and chunks "
-                          "come from the file; --offload-chunks / --offload-fraction / --bpipe-max-resident apply.")
-    add_plugin_flag(par)
-    for option in schedule_options():  # declared by the schedules themselves (registry.register_option)
-        if option.type is bool:  # on/off: --flag and --no-flag, None when neither is given
-            par.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
-                             help=option.help)
-        else:
-            par.add_argument(option.flag, dest=option.name, type=option.type, default=None, help=option.help)
-    par.add_argument("--measure-offload-time", action=argparse.BooleanOptionalAction, default=None,
-                     help="Measure --offload-time at start-up (one layer's forward vs the copy of its stash to host; "
-                          "training/offload_probe.py) when a schedule offloads and --offload-time is not given. "
-                          "Default: on with CUDA, off on CPU (where it is a host-to-host copy and the documented "
-                          "0.25 is used).")
-    par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                     help="Default: nccl on CUDA, gloo on CPU.")
-    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                     help="Process-group timeout: a collective waiting longer than this fails instead of hanging.")
-    par.add_argument("--use-distributed-optimizer", action="store_true",
-                     help="ZeRO-1: shard the optimizer state over the data-parallel group.")
-    par.add_argument("--overlap-grad-reduce", action="store_true",
-                     help="Reduce gradients in buckets while the backward is still running.")
-    par.add_argument("--data-parallel-sharding-strategy", choices=("no_shard", "optim", "optim_grads_params"),
-                     default="no_shard",
-                     help="What the data-parallel ranks shard: optim = --use-distributed-optimizer (ZeRO-1); "
-                          "optim_grads_params also shards the weights, all-gathered per chunk before it runs and "
-                          "freed after, gradients reduce-scattered into the shard (ZeRO-3; docs/layered.md).")
-
-    tr = parser.add_argument_group("training length and batch")
-    tr.add_argument("--micro-batch-size", type=int, default=1)
-    tr.add_argument("--global-batch-size", type=int, default=None, help="Default: micro-batch size x dp.")
-    tr.add_argument("--train-iters", type=int, default=None, help="Iterations to train (or give --train-samples).")
-    tr.add_argument("--train-samples", type=int, default=None,
-                    help="Samples to train; iterations = this // global batch size.")
-    tr.add_argument("--seed", type=int, default=1234)
-
-    lr = parser.add_argument_group("learning rate")
-    lr.add_argument("--lr", type=float, default=1e-3)
-    lr.add_argument("--min-lr", type=float, default=0.0)
-    lr.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "WSD"), default="constant")
-    lr.add_argument("--lr-warmup-iters", type=int, default=0)
-    lr.add_argument("--lr-warmup-samples", type=int, default=0, help="Warmup length with --train-samples.")
-    lr.add_argument("--lr-decay-iters", type=int, default=None, help="Decay length (default: --train-iters).")
-    lr.add_argument("--lr-decay-samples", type=int, default=None, help="Decay length with --train-samples.")
-    lr.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
-                    default=None, help="Shape of the final decay of --lr-decay-style WSD (default linear).")
-    lr.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="Length of WSD's final decay.")
-    lr.add_argument("--lr-wsd-decay-samples", type=int, default=None,
-                    help="Length of WSD's final decay with --train-samples.")
-
-    opt = parser.add_argument_group("optimizer")
-    opt.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    opt.add_argument("--weight-decay", type=float, default=0.01)
-    opt.add_argument("--adam-beta1", type=float, default=0.9)
-    opt.add_argument("--adam-beta2", type=float, default=0.999)
-    opt.add_argument("--adam-eps", type=float, default=1e-8)
-    opt.add_argument("--sgd-momentum", type=float, default=0.9)
-    opt.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0: off).")
-
-    mp = parser.add_argument_group("mixed precision")
-    mp.add_argument("--bf16", action="store_true")
-    mp.add_argument("--fp16", action="store_true")
-    mp.add_argument("--loss-scale", type=float, default=None, help="Static fp16 loss scale (default: dynamic).")
-    mp.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    mp.add_argument("--min-loss-scale", type=float, default=1.0)
-    mp.add_argument("--loss-scale-window", type=int, default=1000, help="Good steps before the scale grows.")
-    mp.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before the scale backs off.")
-    mp.add_argument("--apply-rope-fusion", action="store_true",
-                    help="CUDA: run RoPE's rotation as one torch.compile-generated kernel each way (compiled on first "
-                         "use; may differ from the op-by-op path in the last bit).")
-
-    rc = parser.add_argument_group("activation recomputation")
-    rc.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    rc.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    rc.add_argument("--recompute-num-layers", type=int, default=None,
-                    help="Layers per recomputed group (uniform) or recomputed layers per chunk (block); default 1.")
-
-    ck = parser.add_argument_group("checkpointing")
-    ck.add_argument("--save", default=None, metavar="DIR", help="Directory to save checkpoints to.")
-    ck.add_argument("--load", default=None, metavar="DIR",
-                    help="Directory to resume from; a missing checkpoint starts from scratch.")
-    ck.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
-    ck.add_argument("--no-save-optim", action="store_true", help="Leave the optimizer state out of checkpoints.")
-    ck.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state.")
-    ck.add_argument("--no-load-rng", action="store_true", help="Do not restore the random-number generators.")
-    ck.add_argument("--finetune", action="store_true",
-                    help="Load the weights only; start at iteration 0 with a fresh optimizer and data position.")
-    ck.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                    help="Exit with an error when --load holds no checkpoint.")
-
-    ex = parser.add_argument_group("stopping early")
-    ex.add_argument("--exit-signal-handler", action="store_true",
-                    help="On SIGTERM or SIGUSR1: finish the step, save a checkpoint and exit 0.")
-    ex.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration %% N == 0.")
-    ex.add_argument("--exit-duration-in-mins", type=float, default=None,
-                    help="Save and exit after this many minutes of wall-clock time.")
-
-    ft = parser.add_argument_group("faults and numerics (docs/reliability.md)")
-    ft.add_argument("--heartbeat-timeout-seconds", type=float, default=60.0,
-                    help="Multi-process runs: a rank whose heartbeat stops this long is reported by rank and every "
-                         "rank exits 1 (0: no watchdog).")
-    ft.add_argument("--max-consecutive-nonfinite", type=int, default=1,
-                    help="bf16/fp32: stop (exit 1, no checkpoint written) after this many consecutive steps with a "
-                         "NaN/Inf loss or gradient; each such step is skipped. fp16 overflows are the loss scaler's.")
-    ft.add_argument("--loss-spike-factor", type=float, default=None,
-                    help="Log a warning when the loss exceeds this multiple of the median of the last "
-                         "--loss-spike-window losses (default: off).")
-    ft.add_argument("--loss-spike-window", type=int, default=20, help="Losses in the running median.")
-    ft.add_argument("--continue-on-save-failure", action="store_true",
-                    help="A checkpoint that cannot be written (disk full, quota) is reported and training goes on; "
-                         "default: report it and exit 1.")
-
-    ev = parser.add_argument_group("evaluation")
-    ev.add_argument("--eval-interval", type=int, default=None,
-                    help="Iterations between validation passes (and one at the end); default: none.")
-    ev.add_argument("--eval-iters", type=int, default=100, help="Global batches per validation pass.")
-
-    data = parser.add_argument_group("mock data")
-    data.add_argument("--mock-data", action="store_true",
-                      help="Deterministic synthetic tokens, a function of --seed and the sample index.")
-    add_data_args(parser)
-
-    log = parser.add_argument_group("logging")
-    log.add_argument("--log-interval", type=int, default=1, help="Iterations between console lines.")
-    log.add_argument("--log-throughput", action="store_true", help="Show TFLOP/s per GPU and MFU on the console.")
-    log.add_argument("--peak-tflops", type=float, default=None,
-                     help="Peak TFLOP/s per device for MFU (default: the device's dense bf16 datasheet peak).")
-    log.add_argument("--metrics-file", default=None, help="JSON-lines file of per-iteration metrics (rank 0).")
-    log.add_argument("--trace-file", default=None,
-                     help="Chrome-trace / Perfetto JSON of the executed actions of every rank (one file).")
-    log.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here (rank 0).")
-    log.add_argument("--wandb-project", default=None, help="Log to wandb (offline unless WANDB_API_KEY is set).")
-    log.add_argument("--wandb-exp-name", default=None, help="wandb run name.")
-    log.add_argument("--wandb-save-dir", default=None, help="Directory for wandb's files (default: ./wandb).")
-    return parser
-
-
-# Config files -----------------------------------------------------------------------------------------
-
-
-class ConfigFileError(ValueError):
-    """Problems with a --config file, one line each (`lines`)."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__("; ".join(lines))
-        self.lines = lines
-
-
-# Flags that name something the run writes. A config file is data that travels between people and
-# clusters, so its output paths stay below the run directory; the command line (the operator) may point
-# anywhere.
-OUTPUT_PATH_FLAGS = ("save", "metrics_file", "trace_file", "tensorboard_dir", "wandb_save_dir", "cache_dir")
-
-
-def _escapes_run_directory(path: str) -> bool:
-    return os.path.isabs(path) or path.startswith("~") or ".." in path.replace("\\", "/").split("/")
-
-
-def config_file_arguments(parser: argparse.ArgumentParser, path: str) -> list[str]:
-    """The flags equivalent to the YAML mapping in `path` (see the module docstring)."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f)
-    except OSError as exc:
-        raise ConfigFileError([f"--config {path}: {exc.strerror}"]) from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigFileError([f"--config {path}: not valid YAML{at}"]) from None
-    if values is None:
-        return []
-    if not isinstance(values, dict):
-        raise ConfigFileError([f"--config {path}: expected a mapping of flag names to values, "
-                               f"got a {type(values).__name__}"])
-    # argparse keeps no public table of its actions; `_actions` has been stable since Python 2.7.
-    actions = {option: action for action in parser._actions for option in action.option_strings}
-    tokens: list[str] = []
-    errors: list[str] = []
-    for key, value in values.items():
-        option = "--" + str(key).replace("_", "-")
-        action = actions.get(option)
-        if action is None or option in ("--config", "--help"):
-            errors.append(f"--config {path}: unknown key {key!r} (there is no flag {option})")
-            continue
-        if value is None:
-            continue
-        if action.dest in OUTPUT_PATH_FLAGS and isinstance(value, str) and _escapes_run_directory(value):
-            errors.append(f"--config {path}: {key} {value!r} points outside the run directory (absolute, '~' or '..'); "
-                          f"a config file may only name outputs below the directory the job starts in; give "
-                          f"{option} on the command line to write elsewhere")
-            continue
-        if action.nargs == 0:  # on/off flags
-            if not isinstance(value, bool):
-                errors.append(f"--config {path}: {key} must be true or false, got {value!r}")
-            elif value:
-                tokens.append(option)
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                tokens.append("--no-" + option[2:])
-        elif isinstance(value, list):
-            if action.nargs not in ("*", "+"):
-                errors.append(f"--config {path}: {key} takes one value, got a list")
-            else:
-                tokens += [option, *map(str, value)]
-        elif isinstance(value, dict):
-            errors.append(f"--config {path}: {key} takes a value, got a mapping")
-        else:
-            tokens += [option, str(value)]
-    if errors:
-        raise ConfigFileError(errors)
-    return tokens
-
-
-def expand_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """`argv` with the flags of its `--config FILE` (if any) put in front, so the command line wins."""
-    pre = _OneLineParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    if known.config is None:
-        return list(argv)
-    return config_file_arguments(parser, known.config) + list(argv)
+# The names other modules take from here; the flag, config-file and schedule ones live in their own modules.
+__all__ = ["ArgumentError", "build_parser", "build_job_schedule", "derive_args", "expand_config_file",
+           "model_config_from_args", "num_chunks", "parse_args", "schedule_takes_offload_time", "uses_file_data",
+           "validate_args"]
 
 
 # The model config -------------------------------------------------------------------------------------
@@ -383,53 +68,6 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: Optional[int] =
     if missing:
         raise ValueError(f"give --model-preset or all of {', '.join(missing)}")
     return TransformerConfig(**overrides)
-
-
-def num_chunks(args: argparse.Namespace, config: TransformerConfig) -> int:
-    """Virtual stages per pipeline rank implied by --num-layers-per-virtual-pipeline-stage."""
-    per_stage = args.num_layers_per_virtual_pipeline_stage
-    direct = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    if direct is not None:
-        if per_stage is not None:
-            raise ValueError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
-                             "are mutually exclusive")
-        if direct < 1:
-            raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {direct}")
-        return direct
-    if per_stage is None:
-        return _fixed_chunks(args) or 1
-    slots = config.num_layers + int(args.account_for_embedding_in_pipeline_split) + int(
-        args.account_for_loss_in_pipeline_split
-    )
-    pp = args.pipeline_model_parallel_size
-    if per_stage < 1 or slots % (pp * per_stage) != 0:
-        raise ValueError(
-            f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide {slots} layer slots into "
-            f"--pipeline-model-parallel-size {pp} ranks evenly"
-        )
-    return slots // (pp * per_stage)
-
-
-class _NamedSchedule(argparse.Action):
-    """Stores --pipeline-schedule and notes that it was given (its default, 1f1b, cannot tell), so that
-    naming a schedule beside --pipeline-schedule-file is refused rather than one of the two ignored."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.pipeline_schedule_given = True
-
-
-def _fixed_chunks(args: argparse.Namespace) -> Optional[int]:
-    """Chunks per rank a registered schedule always uses (the V shapes' 2), so that they need no flag."""
-    from megatron_pp.schedules.registry import get_schedule
-
-    name = getattr(args, "pipeline_schedule", None)
-    if getattr(args, "pipeline_schedule_file", None) or name is None:
-        return None
-    try:
-        return get_schedule(name).chunks_per_rank
-    except ValueError:  # an unknown name is reported by the schedule checks
-        return None
 
 
 # Validation -------------------------------------------------------------------------------------------
@@ -637,68 +275,6 @@ def _check_sharding(args: argparse.Namespace, schedule: Optional[Schedule]) -> l
             "off the device are not supported with sharded weights" for m in movers]
 
 
-def schedule_source(args: argparse.Namespace) -> str:
-    """How the user named the schedule, for messages."""
-    if getattr(args, "pipeline_schedule_file", None):
-        return f"--pipeline-schedule-file {args.pipeline_schedule_file}"
-    return f"--pipeline-schedule {args.pipeline_schedule}"
-
-
-def job_schedule_options(args: argparse.Namespace) -> dict:
-    """The schedule options given on the command line for this job's schedule (ValueError naming a flag
-    that does not apply)."""
-    from megatron_pp.schedules.registry import options_from_args, schedule_options
-
-    if not getattr(args, "pipeline_schedule_file", None):
-        return options_from_args(args, args.pipeline_schedule)
-    given = {o.name: getattr(args, o.name) for o in schedule_options() if getattr(args, o.name, None) is not None}
-    for name in given:
-        if name not in FILE_SCHEDULE_OPTIONS:
-            raise ValueError(f"{flag(name)} does not apply to --pipeline-schedule-file (its options: "
-                             f"{', '.join(flag(n) for n in FILE_SCHEDULE_OPTIONS)})")
-    return given
-
-
-def schedule_takes_offload_time(args: argparse.Namespace) -> bool:
-    """Whether this job's schedule places host copies (so `--offload-time` matters)."""
-    from megatron_pp.schedules.registry import get_schedule
-
-    movers = ("offload_chunks", "offload_fraction")
-    given = any(getattr(args, name, None) is not None for name in movers)
-    if getattr(args, "pipeline_schedule_file", None):
-        return given
-    options = get_schedule(args.pipeline_schedule).options
-    if "offload_time" not in options:
-        return False
-    # A schedule that takes the offload time but no amount (PO-H, PO-F) always offloads; the others (1F1B,
-    # the zero-bubble family, ...) offload only when --offload-chunks or --offload-fraction asks.
-    return given or not any(name in options for name in movers)
-
-
-def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],
-                       offload_time: Optional[float] = None) -> Schedule:
-    """The validated schedule this job runs, from the registry or from --pipeline-schedule-file: the one
-    function `pretrain` and the argument checks both call. `num_chunks` None: the file says (a registered
-    schedule then has 1). Raises ValueError with one line."""
-    from megatron_pp.schedules.registry import build_schedule
-    from megatron_pp.schedules.schedule_file import build_schedule_from_file
-
-    pp = args.pipeline_model_parallel_size
-    m = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
-    options = job_schedule_options(args)
-    if offload_time is not None:
-        options["offload_time"] = offload_time
-    if getattr(args, "pipeline_schedule_file", None):
-        return build_schedule_from_file(args.pipeline_schedule_file, num_ranks=pp, num_microbatches=m,
-                                        num_chunks=num_chunks, **options)
-    return build_schedule(args.pipeline_schedule, pp, m, num_chunks or 1, **options)
-
-
-def virtual_stages_given(args: argparse.Namespace) -> bool:
-    return (args.num_layers_per_virtual_pipeline_stage is not None
-            or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None)
-
-
 def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig],
                     world: int) -> tuple[list[str], Optional[Schedule]]:
     """Errors of the schedule flags, and the schedule for the checks that read its lists: the job's own when
@@ -794,7 +370,7 @@ def _check_model(args: argparse.Namespace) -> tuple[list[str], Optional[Transfor
                 last_stage_layers=args.decoder_last_pipeline_num_layers,
                 account_for_embedding=args.account_for_embedding_in_pipeline_split,
                 account_for_loss=args.account_for_loss_in_pipeline_split,
-                placement=_fixed_placement(args),
+                placement=fixed_placement(args),
             )
     except ValueError as exc:
         errors.append(str(exc))
@@ -833,19 +409,6 @@ def _check_this_machine(args: argparse.Namespace, config: Optional[TransformerCo
         errors.append(f"{flash}: the flash-attn package does not import here (pip install flash-attn), "
                       f"or use --attention-backend auto or sdpa")
     return errors
-
-
-def _fixed_placement(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
-    """The stage placement of a schedule with a fixed chunk count (the V shapes), for the layer split; None
-    (the interleaved placement) for the others, and when the schedule cannot be built (reported elsewhere)."""
-    if _fixed_chunks(args) is None or args.pipeline_model_parallel_size < 1:
-        return None
-    from megatron_pp.schedules.registry import build_at_nominal_size
-
-    try:
-        return build_at_nominal_size(args.pipeline_schedule, args.pipeline_model_parallel_size).placement
-    except ValueError:
-        return None
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,

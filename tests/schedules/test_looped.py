@@ -125,7 +125,7 @@ def test_on_off_flags_are_generated_with_their_negation():
 
 
 def test_config_file_false_turns_an_on_off_option_off(tmp_path):
-    from megatron_pp.training.arguments import config_file_arguments
+    from megatron_pp.training.config_files import config_file_arguments
 
     path = tmp_path / "run.yaml"
     path.write_text("checkpoint-layer-inputs: false\nlayered_grad_accumulation: true\n")

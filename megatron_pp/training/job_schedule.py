@@ -1,0 +1,125 @@
+"""The job's pipeline schedule from its flags: chunks per rank, the options given, the validated lists.
+
+`build_job_schedule` is the one function that both `pretrain` and the argument checks call, so the lists
+that are checked are the lists that run.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_pp.models.config import TransformerConfig, flag
+from megatron_pp.schedules.ir import Schedule
+from megatron_pp.schedules.schedule_file import FILE_SCHEDULE_OPTIONS
+
+def num_chunks(args: argparse.Namespace, config: TransformerConfig) -> int:
+    """Virtual stages per pipeline rank implied by --num-layers-per-virtual-pipeline-stage."""
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    direct = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if direct is not None:
+        if per_stage is not None:
+            raise ValueError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
+                             "are mutually exclusive")
+        if direct < 1:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {direct}")
+        return direct
+    if per_stage is None:
+        return fixed_chunks(args) or 1
+    slots = config.num_layers + int(args.account_for_embedding_in_pipeline_split) + int(
+        args.account_for_loss_in_pipeline_split
+    )
+    pp = args.pipeline_model_parallel_size
+    if per_stage < 1 or slots % (pp * per_stage) != 0:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide {slots} layer slots into "
+            f"--pipeline-model-parallel-size {pp} ranks evenly"
+        )
+    return slots // (pp * per_stage)
+
+
+def fixed_chunks(args: argparse.Namespace) -> Optional[int]:
+    """Chunks per rank a registered schedule always uses (the V shapes' 2), so that they need no flag."""
+    from megatron_pp.schedules.registry import get_schedule
+
+    name = getattr(args, "pipeline_schedule", None)
+    if getattr(args, "pipeline_schedule_file", None) or name is None:
+        return None
+    try:
+        return get_schedule(name).chunks_per_rank
+    except ValueError:  # an unknown name is reported by the schedule checks
+        return None
+
+
+def schedule_source(args: argparse.Namespace) -> str:
+    """How the user named the schedule, for messages."""
+    if getattr(args, "pipeline_schedule_file", None):
+        return f"--pipeline-schedule-file {args.pipeline_schedule_file}"
+    return f"--pipeline-schedule {args.pipeline_schedule}"
+
+
+def job_schedule_options(args: argparse.Namespace) -> dict:
+    """The schedule options given on the command line for this job's schedule (ValueError naming a flag
+    that does not apply)."""
+    from megatron_pp.schedules.registry import options_from_args, schedule_options
+
+    if not getattr(args, "pipeline_schedule_file", None):
+        return options_from_args(args, args.pipeline_schedule)
+    given = {o.name: getattr(args, o.name) for o in schedule_options() if getattr(args, o.name, None) is not None}
+    for name in given:
+        if name not in FILE_SCHEDULE_OPTIONS:
+            raise ValueError(f"{flag(name)} does not apply to --pipeline-schedule-file (its options: "
+                             f"{', '.join(flag(n) for n in FILE_SCHEDULE_OPTIONS)})")
+    return given
+
+
+def schedule_takes_offload_time(args: argparse.Namespace) -> bool:
+    """Whether this job's schedule places host copies (so `--offload-time` matters)."""
+    from megatron_pp.schedules.registry import get_schedule
+
+    movers = ("offload_chunks", "offload_fraction")
+    given = any(getattr(args, name, None) is not None for name in movers)
+    if getattr(args, "pipeline_schedule_file", None):
+        return given
+    options = get_schedule(args.pipeline_schedule).options
+    if "offload_time" not in options:
+        return False
+    # A schedule that takes the offload time but no amount (PO-H, PO-F) always offloads; the others (1F1B,
+    # the zero-bubble family, ...) offload only when --offload-chunks or --offload-fraction asks.
+    return given or not any(name in options for name in movers)
+
+
+def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],
+                       offload_time: Optional[float] = None) -> Schedule:
+    """The validated schedule this job runs, from the registry or from --pipeline-schedule-file: the one
+    function `pretrain` and the argument checks both call. `num_chunks` None: the file says (a registered
+    schedule then has 1). Raises ValueError with one line."""
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.schedules.schedule_file import build_schedule_from_file
+
+    pp = args.pipeline_model_parallel_size
+    m = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
+    options = job_schedule_options(args)
+    if offload_time is not None:
+        options["offload_time"] = offload_time
+    if getattr(args, "pipeline_schedule_file", None):
+        return build_schedule_from_file(args.pipeline_schedule_file, num_ranks=pp, num_microbatches=m,
+                                        num_chunks=num_chunks, **options)
+    return build_schedule(args.pipeline_schedule, pp, m, num_chunks or 1, **options)
+
+
+def virtual_stages_given(args: argparse.Namespace) -> bool:
+    return (args.num_layers_per_virtual_pipeline_stage is not None
+            or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None)
+
+
+def fixed_placement(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
+    """The stage placement of a schedule with a fixed chunk count (the V shapes), for the layer split; None
+    (the interleaved placement) for the others, and when the schedule cannot be built (reported elsewhere)."""
+    if fixed_chunks(args) is None or args.pipeline_model_parallel_size < 1:
+        return None
+    from megatron_pp.schedules.registry import build_at_nominal_size
+
+    try:
+        return build_at_nominal_size(args.pipeline_schedule, args.pipeline_model_parallel_size).placement
+    except ValueError:
+        return None
