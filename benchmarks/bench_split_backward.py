@@ -32,7 +32,8 @@ from megatron_pp.cli import write_json  # noqa: E402
 from megatron_pp.core.tensor_parallel import RNGTracker  # noqa: E402
 from megatron_pp.core.tensor_parallel.layers import WeightGradStore, deferring_weight_grads  # noqa: E402
 from megatron_pp.models.presets import get_preset, llama_ffn_hidden_size  # noqa: E402
-from megatron_pp.models.transformer import TransformerLayer, rotary_cos_sin  # noqa: E402
+from megatron_pp.models.layers import TransformerLayer  # noqa: E402
+from megatron_pp.models.ops import rotary_cos_sin
 from megatron_pp.training.offload_probe import sync  # noqa: E402
 
 TARGETS = {"split_over_whole_max": 1.05, "input_over_whole_max": 0.65}

@@ -35,7 +35,9 @@ from megatron_pp.models.attention import attention, resolve_backend  # noqa: E40
 from megatron_pp.models.config import TransformerConfig  # noqa: E402
 from megatron_pp.models.layout import StageSpec  # noqa: E402
 from megatron_pp.models.presets import configured_preset, preset_names  # noqa: E402
-from megatron_pp.models.transformer import TransformerLayer, initial_value, rotary_cos_sin  # noqa: E402
+from megatron_pp.models.init import initial_value  # noqa: E402
+from megatron_pp.models.layers import TransformerLayer
+from megatron_pp.models.ops import rotary_cos_sin
 from megatron_pp.planning.efficiency import BENCH_FORMAT, LayerShape, hardware_for_device  # noqa: E402
 from megatron_pp.planning.memory import CPU_FP32, attention_kind, stash_bytes  # noqa: E402
 from megatron_pp.schedules.store import ActivationStore  # noqa: E402

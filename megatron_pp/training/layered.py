@@ -22,7 +22,7 @@ from typing import Callable, ContextManager, Optional
 
 from megatron_pp.core.layered_grads import LayeredGradientReducer
 from megatron_pp.core.sharded_weights import ShardedWeights
-from megatron_pp.models.transformer import RecomputeConfig
+from megatron_pp.models.recompute import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor
 from megatron_pp.schedules.ir import COMPUTE_OPS, TRANSFER_OPS, Action, Op, Schedule
 from megatron_pp.schedules.store import ActivationStore

@@ -20,7 +20,8 @@ from torch import nn
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec
-from megatron_pp.models.transformer import RecomputeConfig, StageModel
+from megatron_pp.models.recompute import RecomputeConfig
+from megatron_pp.models.transformer import StageModel
 from megatron_pp.schedules.ir import Schedule
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"

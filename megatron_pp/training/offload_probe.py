@@ -22,7 +22,8 @@ import torch
 from megatron_pp.core import comm
 from megatron_pp.core.tensor_parallel import RNGTracker
 from megatron_pp.models.config import TransformerConfig
-from megatron_pp.models.transformer import TransformerLayer, rotary_cos_sin
+from megatron_pp.models.layers import TransformerLayer
+from megatron_pp.models.ops import rotary_cos_sin
 
 
 @dataclass(frozen=True)

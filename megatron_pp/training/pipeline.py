@@ -15,7 +15,7 @@ from megatron_pp.core.p2p import PipelineComm
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec, split_layers
-from megatron_pp.models.transformer import RecomputeConfig
+from megatron_pp.models.recompute import RecomputeConfig
 from megatron_pp.schedules.execute import PipelineExecutor
 from megatron_pp.schedules.ir import Schedule
 from megatron_pp.schedules.peer_store import peer_store_for

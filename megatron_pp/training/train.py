@@ -34,7 +34,8 @@ from megatron_pp.core import comm
 from megatron_pp.core.parallel_state import ParallelState, init_distributed, read_launch_env, rendezvous_store
 from megatron_pp.core.tensor_parallel import model_parallel_seed
 from megatron_pp.models.config import TransformerConfig
-from megatron_pp.models.transformer import RecomputeConfig, use_fused_rotary
+from megatron_pp.models.ops import use_fused_rotary
+from megatron_pp.models.recompute import RecomputeConfig
 from megatron_pp.training.arguments import (build_job_schedule, model_config_from_args, num_chunks, parse_args,
                                             schedule_takes_offload_time, uses_file_data, virtual_stages_given)
 from megatron_pp.training.checkpointing import (

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from megatron_pp.data.mock import MockData
-from megatron_pp.models import transformer
+from megatron_pp.models import layers, ops
 from megatron_pp.models.presets import get_preset
-from megatron_pp.models.transformer import RecomputeConfig, apply_rotary, build_model, norm_fp32, rotary_cos_sin, rotate
+from megatron_pp.models.ops import apply_rotary, norm_fp32, rotary_cos_sin, rotate
+from megatron_pp.models.recompute import RecomputeConfig
+from megatron_pp.models.transformer import build_model
 
 S, B, H = 6, 3, 32
 LOW = [torch.bfloat16, torch.float16]
@@ -50,7 +52,7 @@ def norm_inputs(dtype: torch.dtype, layer_norm: bool) -> list[torch.Tensor]:
 
 def run_norm(inputs: list, eps: float = 1e-5) -> torch.Tensor:
     x, weight, bias = inputs
-    module = transformer.Norm.__new__(transformer.Norm)
+    module = ops.Norm.__new__(ops.Norm)
     torch.nn.Module.__init__(module)
     module.weight, module.eps = weight, eps
     module.bias = bias
@@ -102,8 +104,8 @@ def test_rotary_is_bit_identical_and_keeps_cos_and_sin_once(dtype):
 def model_gradients(preset: str, dtype: torch.dtype, plain: bool, recompute: RecomputeConfig, monkeypatch):
     with monkeypatch.context() as patch:
         if plain:  # the formulas as plain autograd sees them
-            patch.setattr(transformer.Norm, "forward", lambda self, x: norm_fp32(x, self.weight, self.bias, self.eps))
-            patch.setattr(transformer, "apply_rotary", lambda x, rotary: rotate(x, *rotary))
+            patch.setattr(ops.Norm, "forward", lambda self, x: norm_fp32(x, self.weight, self.bias, self.eps))
+            patch.setattr(layers, "apply_rotary", lambda x, rotary: rotate(x, *rotary))
         config = dataclasses.replace(get_preset(preset), params_dtype=dtype)
         model = build_model(config, seed=3)
         model.recompute = recompute
@@ -129,11 +131,11 @@ def test_fused_rotary_matches_the_op_by_op_path():
     x = torch.randn(128, 2, 8, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     ref = apply_rotary(x, (cos, sin))
     (ref_grad,) = grads_of(ref, [x])
-    transformer.use_fused_rotary()
+    ops.use_fused_rotary()
     try:
         out = apply_rotary(x, (cos, sin))
         (grad,) = grads_of(out, [x])
     finally:
-        transformer.use_fused_rotary(False)
+        ops.use_fused_rotary(False)
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # bf16 outputs, fp32 arithmetic either way
     torch.testing.assert_close(grad, ref_grad, rtol=1e-2, atol=1e-2)

@@ -24,7 +24,8 @@ from megatron_pp.models.hf import (  # noqa: E402
 )
 from megatron_pp.models.layout import split_layers  # noqa: E402
 from megatron_pp.models.presets import get_preset  # noqa: E402
-from megatron_pp.models.transformer import StageModel, apply_rotary, build_model, rotary_cos_sin  # noqa: E402
+from megatron_pp.models.ops import apply_rotary, rotary_cos_sin  # noqa: E402
+from megatron_pp.models.transformer import StageModel, build_model
 
 SEED = 99
 CONFIGS = {

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from megatron_pp.core.tensor_parallel import shard_tensor
-from megatron_pp.models import transformer
+from megatron_pp.models import init as transformer_init
 from megatron_pp.models.presets import get_preset
-from megatron_pp.models.transformer import build_model, initial_shard, initial_value, parameter_seed
+from megatron_pp.models.init import initial_shard, initial_value, parameter_seed
+from megatron_pp.models.transformer import build_model
 
 
 def full_normal(seed: int, numel: int, std: float) -> torch.Tensor:
@@ -32,21 +33,21 @@ def random_ranges(rng: random.Random, numel: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("skipping", [True, False], ids=["skip-ahead", "fallback"])
 def test_normal_ranges_equal_slices_of_the_full_draw(skipping, monkeypatch):
     if not skipping:
-        monkeypatch.setattr(transformer, "_skipping_reproduces_normal", lambda: False)
+        monkeypatch.setattr(transformer_init, "_skipping_reproduces_normal", lambda: False)
     rng = random.Random(0)
     sizes = [1, 7, 15, 16, 17, 31, 32, 33, 100, 160, 1000, 4099]
     for numel in sizes + [rng.randint(1, 20000) for _ in range(20)]:
         full = full_normal(11, numel, 0.5)
         for ranges in ([(0, numel)], [(numel - 1, numel)], random_ranges(rng, numel), random_ranges(rng, numel)):
-            got = transformer._normal_ranges(11, numel, 0.5, ranges)
+            got = transformer_init._normal_ranges(11, numel, 0.5, ranges)
             assert torch.equal(got, torch.cat([full[a:b] for a, b in ranges])), (numel, ranges)
 
 
 def test_skip_over_a_chunk_boundary(monkeypatch):
-    monkeypatch.setattr(transformer, "_SKIP_CHUNK", 5)  # skips of many chunks, odd draw counts
+    monkeypatch.setattr(transformer_init, "_SKIP_CHUNK", 5)  # skips of many chunks, odd draw counts
     full = full_normal(3, 999, 1.0)
     ranges = [(33, 40), (111, 130), (977, 999)]
-    assert torch.equal(transformer._normal_ranges(3, 999, 1.0, ranges), torch.cat([full[a:b] for a, b in ranges]))
+    assert torch.equal(transformer_init._normal_ranges(3, 999, 1.0, ranges), torch.cat([full[a:b] for a, b in ranges]))
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
@@ -56,7 +57,7 @@ def test_every_shard_equals_the_slice_of_the_full_tensor(preset):
     for name, param in model.named_parameters():
         full = initial_value(config, name, tuple(param.shape), 5)
         assert torch.equal(param, full), name  # tp = 1: the whole tensor
-        rule = transformer._init_rule(config, name)
+        rule = transformer_init._init_rule(config, name)
         if isinstance(rule, float):  # the definition, written out independently of the module's code
             assert torch.equal(full.view(-1), full_normal(parameter_seed(5, name), full.numel(), rule)), name
         if not getattr(param, "tensor_model_parallel", False):

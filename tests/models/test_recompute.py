@@ -13,7 +13,8 @@ from megatron_pp.core.tensor_parallel import model_parallel_seed
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.layout import StageSpec
 from megatron_pp.models.presets import get_preset
-from megatron_pp.models.transformer import RecomputeConfig, StageModel, build_model
+from megatron_pp.models.recompute import RecomputeConfig
+from megatron_pp.models.transformer import StageModel, build_model
 from megatron_pp.schedules.store import ActivationStore
 from tests.core.test_grad_reduce import global_tokens, make_pipeline
 from tests.dist import run_distributed

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from megatron_pp.core.tensor_parallel import RNGTracker, model_parallel_seed
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.models.presets import get_preset
-from megatron_pp.models.transformer import StageModel, build_model, full_named_parameters, parameter_seed
+from megatron_pp.models.init import parameter_seed
+from megatron_pp.models.transformer import StageModel, build_model, full_named_parameters
 
 SEED = 1234
 

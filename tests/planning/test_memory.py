@@ -14,7 +14,8 @@ from megatron_pp.core.tensor_parallel.random import model_parallel_seed
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.layout import split_layers
 from megatron_pp.models.presets import get_preset
-from megatron_pp.models.transformer import RecomputeConfig, StageModel
+from megatron_pp.models.recompute import RecomputeConfig
+from megatron_pp.models.transformer import StageModel
 from megatron_pp.planning.memory import (CPU_FP32, MEGATRON_BF16, attention_kind, layer_activation_bytes,
                                          layer_activation_terms, stage_parameters_per_gpu, stash_bytes,
                                          state_bytes_per_parameter, transient_activation_bytes)

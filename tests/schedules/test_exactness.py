@@ -421,7 +421,7 @@ def test_exact_zero_bubble_world4(case):
 def test_exact_zero_bubble_sequence_parallel_and_full_recompute(name):
     """tp 2 with sequence parallelism, every layer recomputed in BI: BI re-runs the layer and keeps only
     what BW needs (the linear layers' inputs and output gradients) until BW."""
-    from megatron_pp.models.transformer import RecomputeConfig
+    from megatron_pp.models.recompute import RecomputeConfig
 
     case = ("gpt-tiny", 4, 2, 2, name, 4, 1, {})
     _run_pipeoffload(4, case, {"recompute": RecomputeConfig("full", "uniform", 1)}, sequence_parallel=True)

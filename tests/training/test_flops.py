@@ -85,7 +85,7 @@ def test_layers_recomputed_for_the_flops_count_follow_the_recompute_method():
     # "all layers" (None) in `iteration_flops`, which then charges selective its attention core only.
     from types import SimpleNamespace
 
-    from megatron_pp.models.transformer import RecomputeConfig
+    from megatron_pp.models.recompute import RecomputeConfig
     from megatron_pp.training.train import _recomputed_layers
 
     pipe = SimpleNamespace(layout=[SimpleNamespace(num_layers=3), SimpleNamespace(num_layers=1)])
