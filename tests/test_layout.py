@@ -95,3 +95,15 @@ def test_bpipe_registers_its_hosting_as_a_pass_after_communication():
     from megatron_pp.schedules import bpipe
 
     assert (frozenset(PARTNER_OP), bpipe.add_hosting) in comm._PASSES_AFTER_COMMUNICATION
+
+
+def test_no_package_module_over_600_lines():
+    long = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "megatron_pp")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                count = sum(1 for _ in open(path))
+                if count > 600:
+                    long[os.path.relpath(path, ROOT)] = count
+    assert long == {}
