@@ -4,6 +4,7 @@
     python dev/mutation_check.py --only megatron_pp/core/grads.py:253:25:cmp   # re-run chosen mutants
     python dev/mutation_check.py --list                                         # count mutants per module
     python dev/mutation_check.py --annotate docs/results/mutation.json --notes docs/results/mutation_notes.json
+    python dev/mutation_check.py --since 9821f81 --sample 24 --seed 1      # only lines changed since a commit
 
 Each mutant changes one spot of one module in a private copy of the repository (the working tree is
 never touched): a comparison flipped at its boundary (`<` <-> `<=`, `>` <-> `>=`, `==` <-> `!=`), an
@@ -20,6 +21,12 @@ since, checked with `--only`), `equivalent` (why no test can tell the mutant fro
 score). A survivor without a note is listed as unexplained; `--annotate` applies new
 notes to a report without running anything. A full run takes hours on a small
 machine; `--sample N --seed S` runs a reproducible random subset.
+
+`--since COMMIT` plants mutants only on the lines a change added or rewrote: the lines `git diff -U0 -M
+COMMIT` marks as new in the working tree (a moved file counts only its edited lines; code moved between
+two files counts as new in the file it went to). So a round's changes are held to the standard of the
+whole. The report then records the commit and the changed modules the map has no tests for
+(`changed_unmapped`), which no mutant can measure.
 """
 from __future__ import annotations
 
@@ -250,6 +257,41 @@ def all_mutants(root: str, modules: Sequence[str]) -> list[Mutant]:
     return out
 
 
+_HUNK = re.compile(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
+
+
+def parse_changed_lines(diff: str) -> dict[str, set[int]]:
+    """Per file (its path now), the line numbers a unified diff with no context (`-U0`) adds or rewrites.
+
+    A hunk header `@@ -40,2 +41,3 @@` adds lines 41, 42, 43; `+41,0` only deletes (no line now); `+41`
+    is one line. A deleted file has no lines now and is left out.
+    """
+    changed: dict[str, set[int]] = {}
+    for block in re.split(r"^diff --git ", diff, flags=re.MULTILINE)[1:]:
+        target = re.search(r"^\+\+\+ (?:b/)?(.+)$", block, re.MULTILINE)
+        if target is None or target.group(1) == "/dev/null":
+            continue
+        lines = changed.setdefault(target.group(1), set())
+        for match in _HUNK.finditer(block):
+            start, count = int(match.group(1)), int(match.group(2) or 1)
+            lines.update(range(start, start + count))
+    return changed
+
+
+def changed_lines(root: str, commit: str) -> dict[str, set[int]]:
+    """`parse_changed_lines` of the working tree at `root` against `commit` (renames followed)."""
+    proc = subprocess.run(["git", "diff", "-U0", "-M", "--no-color", commit, "--", "."], cwd=root,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ValueError(f"--since {commit}: {' '.join(proc.stderr.split()) or 'git diff failed'}")
+    return parse_changed_lines(proc.stdout)
+
+
+def on_changed_lines(mutants: Sequence[Mutant], changed: dict[str, set[int]]) -> list[Mutant]:
+    """The mutants whose spot (their first line) is on a changed line of their module."""
+    return [m for m in mutants if m.line in changed.get(m.path, ())]
+
+
 def _copy_tree(root: str, into: str) -> str:
     ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "runs", "checkpoints")
     dest = os.path.join(into, "repo")
@@ -373,6 +415,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "survivors.")
     parser.add_argument("--out", default=None, metavar="FILE", help="Write the JSON report here.")
     parser.add_argument("--list", action="store_true", help="Print the number of mutants per module and stop.")
+    parser.add_argument("--since", default=None, metavar="COMMIT",
+                        help="Plant mutants only on lines changed since COMMIT (git diff -U0 -M COMMIT).")
     parser.add_argument("--annotate", default=None, metavar="REPORT",
                         help="Run nothing: apply --notes to the survivors of REPORT and rewrite it.")
     args = parser.parse_args(argv)
@@ -398,10 +442,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_json(args.annotate, summary)
         return 0
     mutants = all_mutants(ROOT, modules)
+    unmapped: list[str] = []
+    if args.since is not None:
+        try:
+            changed = changed_lines(ROOT, args.since)
+        except ValueError as exc:
+            parser.error(str(exc))
+        mutants = on_changed_lines(mutants, changed)
+        unmapped = sorted(p for p, lines in changed.items()
+                          if lines and p.startswith("megatron_pp/") and p.endswith(".py") and p not in COVERING)
     if args.list:
         for module in modules:
             print(f"{sum(1 for m in mutants if m.path == module):5d}  {module}")
         print(f"{len(mutants):5d}  total")
+        if unmapped:
+            print(f"changed since {args.since} with no covering tests in the map: {', '.join(unmapped)}")
         return 0
     if args.only is not None:
         by_id = {m.id: m for m in mutants}
@@ -415,6 +470,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = check(ROOT, mutants, args.timeout)
     command = "python dev/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = report(results, notes, command)
+    if args.since is not None:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        summary = {**summary, "since": args.since, "at": head, "changed_unmapped": unmapped}
     print(f"{summary['killed']} of {summary['non_equivalent']} non-equivalent mutants killed "
           f"({summary['equivalent']} equivalent, {len(summary['survivors'])} survived)")
     if args.out:

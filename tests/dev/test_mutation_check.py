@@ -85,3 +85,53 @@ def test_every_module_and_covering_test_exists():
             if name:
                 with open(os.path.join(ROOT, path)) as f:
                     assert f"def {name.split('[')[0]}(" in f.read(), test
+
+
+def _git(repo, *args):
+    import subprocess
+
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+def test_since_plants_mutants_only_on_changed_lines(tmp_path):
+    """A toy repository: one commit, then an edit of line 8 and a new line 9; `--since` keeps the mutants
+    of those lines only (a rewritten line and an added one), none of the untouched lines 4 and 6."""
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "toy.py").write_text(TOY)
+    _git(tmp_path, "add", "toy.py")
+    _git(tmp_path, "commit", "-q", "-m", "toy")
+    edited = TOY.replace("return total < 4 and x >= 0", "limit_hit = total < 5 and x >= 0\n    return limit_hit")
+    (tmp_path / "toy.py").write_text(edited)
+    changed = mutation_check.changed_lines(str(tmp_path), "HEAD")
+    assert changed == {"toy.py": {8, 9}}
+    kept = mutation_check.on_changed_lines(mutation_check.mutants_of("toy.py", edited), changed)
+    assert kept and {m.line for m in kept} == {8}  # line 9 (a bare return of a name) has no mutant
+    assert {m.operator for m in kept} == {"drop", "cmp", "and/or", "int+1", "int-1"}
+    with pytest.raises(ValueError, match="--since no-such-commit"):
+        mutation_check.changed_lines(str(tmp_path), "no-such-commit")
+
+
+def test_changed_lines_of_a_diff_follow_hunks_renames_and_deletions():
+    diff = ("diff --git a/a.py b/a.py\n--- a/a.py\n+++ b/a.py\n@@ -3 +3 @@ x\n-a\n+b\n@@ -10,2 +10,0 @@\n-c\n-d\n"
+            "@@ -20,0 +19,3 @@\n+e\n+f\n+g\n"
+            "diff --git a/old.py b/new.py\nsimilarity index 90%\nrename from old.py\nrename to new.py\n"
+            "--- a/old.py\n+++ b/new.py\n@@ -5 +5 @@\n-h\n+i\n"
+            "diff --git a/gone.py b/gone.py\ndeleted file mode 100644\n--- a/gone.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-j\n")
+    assert mutation_check.parse_changed_lines(diff) == {"a.py": {3, 19, 20, 21}, "new.py": {5}}
+
+
+def test_since_through_the_command_line(capsys):
+    """`--list` counts only changed lines' mutants (never more than without --since); an unknown commit is one
+    line and exit 2."""
+    import re
+
+    def total(argv):
+        assert mutation_check.main(argv) == 0
+        return int(re.search(r"^\s*(\d+)\s+total$", capsys.readouterr().out, re.MULTILINE).group(1))
+
+    module = ["--modules", "megatron_pp/data/blend.py"]
+    assert total(["--since", "HEAD", "--list", *module]) <= total(["--list", *module])
+    with pytest.raises(SystemExit) as info:
+        mutation_check.main(["--since", "no-such-commit-here", "--list", *module])
+    assert info.value.code == 2 and "--since no-such-commit-here" in capsys.readouterr().err
