@@ -1,0 +1,210 @@
+"""The renderers of tools/render_docs.py: one function per figure (parsed JSON in, markdown out) and RENDERERS,
+the registry that names each one's JSON under docs/results/.
+
+Adding a table: one function here, one line in RENDERERS, the two markers in the page, then
+`python tools/render_docs.py --write` (its docstring has the marker syntax). Renderers only format: a
+number a page shows is a number its JSON holds (rounded), never one computed here from several.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# ---- formatting helpers (what every renderer shares) -------------------------------------------------------
+
+def num(value: float, places: int = 2) -> str:
+    """`num(1.0435, 3)` -> '1.044'; `num(195584, 0)` -> '195,584' (thousands separated when no decimals)."""
+    return f"{value:,.0f}" if places == 0 else f"{value:.{places}f}"
+
+
+def pct(value: float, places: int = 1, sign: bool = False) -> str:
+    """A fraction as a percentage: `pct(0.179)` -> '17.9%'; `pct(-0.0246, 2, sign=True)` -> '−2.46%'."""
+    text = f"{value * 100:+.{places}f}%" if sign else f"{value * 100:.{places}f}%"
+    return text.replace("-", "−")
+
+
+def mib(n_bytes: float, places: int = 2) -> str:
+    """Bytes in MiB: `mib(33660928)` -> '32.10'."""
+    return f"{n_bytes / 2**20:.{places}f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: `table(["a", "b"], [["1", "2"]])` -> '| a | b |\\n|---|---|\\n| 1 | 2 |'."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+
+# ---- the renderers ---------------------------------------------------------------------------------------
+
+def split_backward_table(data: dict) -> str:
+    """benchmarks/bench_split_backward.py: (BI + BW) / B and BI / B, median and range over rounds, with the
+    targets the JSON records (1.044 over 9 rounds for (BI + BW) / B by wall time in the committed run)."""
+    ranges, targets, met = data["round_range"], data["targets"], data["targets_met"]
+    rounds = len(data["rounds"])
+
+    def row(label, key, target):
+        low, high = ranges[key]
+        return [label, num(data[key], 3), f"{num(low, 3)} – {num(high, 3)}", target]
+    return table(["ratio", "median", f"range over {rounds} rounds", "target"], [
+        row("(BI + BW) / B, wall", "split_over_whole",
+            f"≤ {targets['split_over_whole_max']:.2f}: " + ("met" if met["split_over_whole"] else "missed")),
+        row("(BI + BW) / B, CPU seconds", "split_over_whole_cpu", ""),
+        row("BI / B, wall", "input_over_whole",
+            f"≤ {targets['input_over_whole_max']:.2f}: " + ("met" if met["input_over_whole"] else "missed"))])
+
+
+def split_backward_sentence(data: dict) -> str:
+    """The pair docs/schedules.md and docs/benchmarks.md quote in prose: '(BI + BW) / B = 1.044 and BI / B =
+    0.568 over 9 paired rounds'."""
+    return (f"(BI + BW) / B = {num(data['split_over_whole'], 3)} and BI / B = {num(data['input_over_whole'], 3)} "
+            f"over {len(data['rounds'])} paired rounds")
+
+
+VS_TORCH_ORDER = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
+
+
+def vs_torch_table(data: dict) -> str:
+    """benchmarks/bench_vs_torch.py: per pair, ours / torch step time (median, min–max over rounds), CPU
+    ratio, CPU seconds and peak activation MiB per rank, and whether each target was met."""
+    rows = []
+    for name in VS_TORCH_ORDER:
+        pair = data["pairs"][name]
+        ratio, ours, theirs = pair["ratio_ours_over_torch"], pair["ours"], pair["torch"]
+        per_rank = lambda side, key, fmt: ", ".join(fmt(v) for v in side[key])  # noqa: E731
+        rows.append([f"`{name}`", pair["torch_schedule"],
+                     f"{num(ratio['median'], 3)} ({num(ratio['min'])}–{num(ratio['max'])})",
+                     num(pair["cpu_ratio_ours_over_torch"]["median"], 3),
+                     f"{per_rank(ours, 'cpu_s_per_rank_median', num)} / "
+                     f"{per_rank(theirs, 'cpu_s_per_rank_median', num)}",
+                     f"{per_rank(ours, 'peak_activation_bytes_per_rank', mib)} / "
+                     f"{per_rank(theirs, 'peak_activation_bytes_per_rank', mib)}",
+                     yes_no(pair["targets"]["time_met"]), yes_no(pair["targets"]["memory_met"])])
+    return table(["ours", "torch", "step time ratio", "CPU ratio", "CPU s per rank, ours / torch",
+                  f"peak activation MiB, ours / torch", f"time ≤ {data['time_target']:.2f}", "memory ≤ torch"], rows)
+
+
+def vs_torch_zb_h1_sentence(data: dict) -> str:
+    """'0.942 (0.81–1.06); target ≤ 0.95: met' for `zb-h1` against our `1f1b`, back to back."""
+    r = data["zb_h1_over_our_1f1b"]
+    return (f"{num(r['median'], 3)} ({num(r['min'])}–{num(r['max'])}); target ≤ {data['time_target']:.2f}: "
+            + ("met" if r["met"] else "missed"))
+
+
+def vs_torch_gradients_sentence(data: dict) -> str:
+    """The largest relative gradient difference of the untimed check step over all pairs: '9.5e-08'."""
+    worst = max(pair["check"]["grad_rel_diff_max"] for pair in data["pairs"].values())
+    return f"{worst:.1e}"
+
+
+def bench_layer_table(data: dict) -> str:
+    """tools/bench_layer.py: per (backend, micro-batch) forward, backward and attention-core ms, achieved
+    GFLOP/s and the stash measured against the formula (MB = 10^6 bytes: 25198592 -> '25.20')."""
+    names = {"sdpa": "sdpa (CPU flash kernel)", "reference": "reference (unfused)"}
+    rows, seen = [], set()
+    for r in data["results"]:
+        label = r["backend"] if r["backend"] in seen else names.get(r["backend"], r["backend"])
+        seen.add(r["backend"])
+        rows.append([label, str(r["micro_batch_size"]), num(r["forward_ms"], 1), num(r["backward_ms"], 1),
+                     num(r["core_forward_ms"], 1), num(r["achieved_tflops"] * 1000, 0),
+                     num(r["stash_bytes"] / 1e6), num(r["stash_bytes_predicted"] / 1e6)])
+    return table(["backend", "b", "forward ms", "backward ms", "attention core fwd ms", "achieved GFLOP/s",
+                  "stash MB measured", "stash MB predicted"], rows)
+
+
+
+def schedule_build_table(data: dict) -> str:
+    """benchmarks/bench_schedule_build.py: per m, actions, total CPU s (build / validate share / simulate)
+    and wall s; at m = 1024 of interleaved p = 32, v = 4: '7.63 (5.39 / 2.90 / 2.24)'."""
+    rows = [[str(r["microbatches"]), num(r["actions"], 0),
+             f"{num(r['total_cpu_s'])} ({num(r['build_cpu_s'])} / {num(r['validate_cpu_s'])} / "
+             f"{num(r['simulate_cpu_s'])})", num(r["total_s"])] for r in data["rows"]]
+    return table(["m", "actions", "total CPU s (build / validate share / simulate)", "total wall s"], rows)
+
+
+def bpipe_build_table(data: dict) -> str:
+    """benchmarks/bench_schedule_build.py --schedule bpipe at p = 48: build CPU seconds of the runs of the
+    current tree (the JSON's runs whose tree is 'this change'), per m."""
+    runs = [run for run in data["runs"] if run["tree"] == "this change"]
+    rows = [[str(row["microbatches"]), num(row["actions"], 0),
+             ", ".join(num(run["rows"][i]["build_cpu_s"]) for run in runs)]
+            for i, row in enumerate(runs[0]["rows"])]
+    return table(["m", "actions", f"build CPU s ({len(runs)} runs)"], rows)
+
+
+def plot_schedule_table(data: dict) -> str:
+    """dev/bench_plot_schedule.py: median CPU seconds per part and each round's, e.g. draw 3.35."""
+    parts = [("draw", "draw (`plot_schedule.draw`, PNG written)"), ("simulate", "simulate"),
+             ("build", "build (generator, communication, validation)")]
+    rows = [[label, num(data["median_cpu_s"][key]), ", ".join(num(r[key]["cpu_s"]) for r in data["rounds"])]
+            for key, label in parts]
+    rows.append(["whole tool minus interpreter start", num(data["median_cpu_s"]["total_cpu_s"]),
+                 ", ".join(num(r["total_cpu_s"]) for r in data["rounds"])])
+    return table(["Part", "CPU s (median)", "rounds"], rows)
+
+
+def bench_mfu_output(data: dict) -> str:
+    """benchmarks/bench_mfu.py's own summary of its JSON (`format_table`), in a code block."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_mfu import format_table
+    return "```\n" + format_table(data) + "\n```"
+
+def peaks(values: list, scale: int = 1) -> str:
+    """Per-rank peaks: '4 on every rank' when equal, else the list: `peaks([4, 3, 2, 1])` -> '4 3 2 1'."""
+    values = [v * scale for v in values]
+    return f"{values[0]} on every rank" if len(set(values)) == 1 else " ".join(str(v) for v in values)
+
+
+def _by_schedule(reports: list) -> dict:
+    return {r["schedule"]: r for r in reports}
+
+
+def zero_bubble_table(small: list, large: list) -> str:
+    """tools/plot_schedule.py --compare 1f1b,zb-h1,zb-h2 at p = 4, m = 8 and p = 8, m = 32 (F = BI = BW = 1):
+    makespan, bubble and per-rank peak stashes; 1F1B at p = 8, m = 32: 117 and 17.9%."""
+    a, b = _by_schedule(small), _by_schedule(large)
+    rows = [[f"`{name}`", num(a[name]["makespan"], 0), pct(a[name]["bubble_fraction"]), peaks(a[name]["peak_stash"]),
+             num(b[name]["makespan"], 0), pct(b[name]["bubble_fraction"]), peaks(b[name]["peak_stash"])]
+            for name in ("1f1b", "zb-h1", "zb-h2")]
+    return table(["", "p = 4, m = 8: makespan", "bubble", "peak stashes per rank", "p = 8, m = 32: makespan",
+                  "bubble", "peak stashes per rank"], rows)
+
+
+def vshape_table(v_small: list, v_large: list, f1b_small: dict, f1b_large: dict) -> str:
+    """tools/plot_schedule.py --compare zb-v,v-half,interleaved-1f1b (v = 2) and 1F1B with stages of two
+    chunks (--stage-weights 2,...) at p = 4, m = 8 and p = 8, m = 32. Peaks in chunk stashes: 1F1B's
+    stage stash holds both chunks, so its count is doubled (8 7 … 1 stages -> 16 14 … 2 chunks)."""
+    rows = []
+    for setting, compared, one_f1b in (("4, 8", v_small, f1b_small), ("8, 32", v_large, f1b_large)):
+        named = _by_schedule(compared)
+        for name, label in (("zb-v", "`zb-v`"), ("v-half", "`v-half`"),
+                            ("interleaved-1f1b", "`interleaved-1f1b` (v = 2)")):
+            r = named[name]
+            rows.append([setting, label, num(r["makespan"], 0), pct(r["bubble_fraction"]), peaks(r["peak_stash"])])
+        rows.append([setting, "`1f1b`", num(one_f1b["makespan"], 0), pct(one_f1b["bubble_fraction"]),
+                     peaks(one_f1b["peak_stash"], scale=2)])
+    return table(["p, m", "schedule", "makespan", "bubble", "peak chunk stashes per rank"], rows)
+
+
+RENDERERS: dict = {
+    # name: (its JSON, the function that renders it)
+    "split-backward": ("docs/results/split_backward_cpu.json", split_backward_table),
+    "split-backward-pair": ("docs/results/split_backward_cpu.json", split_backward_sentence),
+    "vs-torch": ("docs/results/vs_torch_cpu.json", vs_torch_table),
+    "vs-torch-zb-h1": ("docs/results/vs_torch_cpu.json", vs_torch_zb_h1_sentence),
+    "vs-torch-gradients": ("docs/results/vs_torch_cpu.json", vs_torch_gradients_sentence),
+    "bench-layer": ("docs/results/bench_layer_cpu_gpt3-125m_s512.json", bench_layer_table),
+    "zero-bubble-sim": (("docs/results/zero_bubble_sim_p4_m8.json", "docs/results/zero_bubble_sim_p8_m32.json"),
+                        zero_bubble_table),
+    "vshape-sim": (("docs/results/vshape_p4_m8.json", "docs/results/vshape_p8_m32.json",
+                    "docs/results/vshape_1f1b_p4_m8.json", "docs/results/vshape_1f1b_p8_m32.json"), vshape_table),
+    "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
+    "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
+    "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
+    "bench-mfu-tiny": ("docs/results/bench_mfu_tiny_cpu.json", bench_mfu_output),
+}
