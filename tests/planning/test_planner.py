@@ -2,6 +2,7 @@
 launch flags the training parser accepts, plugins planned without planner changes, and the bookkeeping
 (byte-weighted stash curves, extension in m) against the simulator itself."""
 import dataclasses
+import json
 import os
 import sys
 
@@ -421,3 +422,23 @@ def test_cli_plans_a_schedule_file_and_names_it_in_the_commands(capsys, tmp_path
         assert "not both" in capsys.readouterr().err
     finally:
         unregister_schedule("file:zbv.csv")
+
+
+def test_json_rows_claim_no_validated_step_time_until_a_run_shows_one(tmp_path):
+    """The recorded validation (docs/planner.md) missed by −40% to +211% at tp = 1, so a tp = 1 row must not say
+    its step time is validated; once `STEP_TIME_VALIDATED` is set, tp = 1 rows say so and tp > 1 rows still
+    follow `TENSOR_PARALLEL_VALIDATED`."""
+    from megatron_pp.planning import report
+
+    out = tmp_path / "plan.json"
+    argv = ["--model-preset", "gpt3-350m", "--global-batch-size", "16", "--num-gpus", "4", "--gpu-memory-gb", "24",
+            "--max-micro-batch-size", "2", "--top", "40", "--commands", "0", "--schedules", "1f1b", "--json", str(out)]
+    assert plan_tool.main(argv) == 0
+    rows = json.loads(out.read_text())["ranked"]
+    assert {row["tp"] for row in rows} >= {1, 4}
+    assert not any(row["step_time_validated"] for row in rows)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report, "STEP_TIME_VALIDATED", True)
+        assert plan_tool.main(argv) == 0
+    rows = json.loads(out.read_text())["ranked"]
+    assert all(row["step_time_validated"] == (row["tp"] == 1) for row in rows)
