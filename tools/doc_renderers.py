@@ -190,6 +190,53 @@ def vshape_table(v_small: list, v_large: list, f1b_small: dict, f1b_large: dict)
                      peaks(one_f1b["peak_stash"], scale=2)])
     return table(["p, m", "schedule", "makespan", "bubble", "peak chunk stashes per rank"], rows)
 
+def _trace_cells(run: dict, target: float) -> list[str]:
+    """Trace bubble 'median (min – max)', simulated bubble and relative error of one tools/trace_vs_sim.py run;
+    the error gets a decimal where whole percent would hide which side of the target it is on (15.1%)."""
+    steps = run["trace_bubble_per_step"]
+    error = run["relative_error"]
+    places = 1 if round(error * 100) == round(target * 100) else 0
+    return [f"{num(run['trace_bubble'], 3)} ({num(min(steps), 3)} – {num(max(steps), 3)})", num(run["sim_bubble"], 3),
+            f"{error * 100:.{places}f}%"]
+
+
+def _trace_label(run: dict) -> list[str]:
+    name = run["schedule"] + (f" (v = {run['chunks']})" if run["schedule"] == "interleaved-1f1b" else "")
+    return [name, str(run["pp"])]
+
+
+def trace_vs_sim_table(data: dict) -> str:
+    """tools/trace_vs_sim.py: per (schedule, p) the trace's bubble (median and range over the measured steps),
+    the simulated one, their relative error and the executor's share of busy time (min–max over ranks)."""
+    rows = []
+    for run in data["runs"]:
+        share = [round(x * 100) for x in run["executor_share_of_busy"]]
+        share_text = f"{min(share)}%" if min(share) == max(share) else f"{min(share)}–{max(share)}%"
+        rows.append(_trace_label(run) + _trace_cells(run, data["target_relative_error"]) + [share_text])
+    steps = data["runs"][0]["steps_measured"]
+    return table(["schedule", "p", f"trace bubble (median; range over {steps} steps)", "simulated", "relative error",
+                  "executor work, share of busy"], rows)
+
+
+def trace_vs_sim_pair_table(short: dict, long: dict) -> str:
+    """Two tools/trace_vs_sim.py runs side by side (5 and 10 measured steps), same rows."""
+    rows = [_trace_label(a) + _trace_cells(a, short["target_relative_error"]) + _trace_cells(b, long["target_relative_error"])
+            for a, b in zip(short["runs"], long["runs"])]
+    return table(["schedule", "p", f"trace bubble, {short['runs'][0]['steps_measured']} steps (median; range)",
+                  "simulated", "error", f"trace bubble, {long['runs'][0]['steps_measured']} steps (median; range)",
+                  "simulated", "error"], rows)
+
+
+def trace_clock_bound(*reports: dict) -> str:
+    """The clock offsets' error bound (half the shortest synchronisation round trip, which trace_vs_sim.py
+    records as `p2p_latency_ms`) over every committed trace: '0.10–3.85 ms'."""
+    bounds = [run["p2p_latency_ms"] for report in reports for run in report["runs"]]
+    return f"{num(min(bounds))}–{num(max(bounds))} ms"
+
+
+TRACES = ("docs/results/trace_vs_sim_cpu.json", "docs/results/trace_vs_sim_cpu_iters11.json",
+          "docs/results/trace_vs_sim_cpu_quiet.json", "docs/results/trace_vs_sim_cpu_quiet_iters11.json")
+
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -203,6 +250,10 @@ RENDERERS: dict = {
                         zero_bubble_table),
     "vshape-sim": (("docs/results/vshape_p4_m8.json", "docs/results/vshape_p8_m32.json",
                     "docs/results/vshape_1f1b_p4_m8.json", "docs/results/vshape_1f1b_p8_m32.json"), vshape_table),
+    "trace-vs-sim-loaded": (TRACES[0], trace_vs_sim_table),
+    "trace-vs-sim-loaded-iters11": (TRACES[1], trace_vs_sim_table),
+    "trace-vs-sim-quiet": (TRACES[2:], trace_vs_sim_pair_table),
+    "trace-clock-bound": (TRACES, trace_clock_bound),
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
