@@ -11,6 +11,10 @@ when imported. It reaches the trainer and the tools in one of two ways:
   entry point may name a module (imported) or a callable (imported and called with no arguments). Every
   entry point of the group is loaded whenever plugins are loaded.
 
+A plugin file is imported as a module of a package private to its directory, so it may import its
+sibling files relatively (`from .helpers import x`); it is in `sys.modules` while it runs, so dataclasses
+and `from __future__ import annotations` work as in any module.
+
 A plugin that fails to import or to register gives one line naming it and the reason (`PluginError`,
 which the entry points turn into exit status 2). Loading is idempotent: the same module or file is
 imported once per process however often the arguments are parsed.
@@ -23,6 +27,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import types
 from typing import Iterable, Sequence
 
 ENTRY_POINT_GROUP = "megatron_pp.schedules"
@@ -42,6 +47,19 @@ def _is_file(spec: str) -> bool:
     return spec.endswith(".py") or os.sep in spec or (os.altsep is not None and os.altsep in spec)
 
 
+def _file_module_name(path: str) -> str:
+    """The module name a plugin file runs under: `<package>.<file stem>`, where the package is private to
+    the file's directory and searches it, so `from .helpers import x` in /a/sched.py imports /a/helpers.py
+    (as `<package>.helpers`), and two plugins called schedules.py in two directories do not collide."""
+    directory = os.path.dirname(path)
+    package = "megatron_pp_plugin_" + hashlib.sha1(directory.encode()).hexdigest()[:12]
+    if package not in sys.modules:
+        holder = types.ModuleType(package, f"megatron_pp schedule plugins in {directory}")
+        holder.__path__ = [directory]
+        sys.modules[package] = holder
+    return f"{package}.{os.path.splitext(os.path.basename(path))[0]}"
+
+
 def load_plugin(spec: str) -> None:
     """Import the plugin `spec` (dotted module or `.py` path) once."""
     key = os.path.abspath(spec) if _is_file(spec) else spec
@@ -51,12 +69,13 @@ def load_plugin(spec: str) -> None:
         if _is_file(spec):
             if not os.path.isfile(spec):
                 raise PluginError(f"{FLAG} {spec}: no such file")
-            # A private module name per path: two plugins called schedules.py do not collide.
-            name = "megatron_pp_plugin_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+            name = _file_module_name(key)
             module_spec = importlib.util.spec_from_file_location(name, key)
             if module_spec is None or module_spec.loader is None:
                 raise PluginError(f"{FLAG} {spec}: cannot be imported as a Python file")
             module = importlib.util.module_from_spec(module_spec)
+            # Registered before it runs: a @dataclass (with `from __future__ import annotations` above all)
+            # looks its module up in sys.modules while the class is being made.
             sys.modules[name] = module
             try:
                 module_spec.loader.exec_module(module)

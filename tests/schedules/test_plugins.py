@@ -124,6 +124,70 @@ def test_loading_twice_registers_once(tmp_path):
     assert load_entry_points() == [] or all(isinstance(n, str) for n in load_entry_points())
 
 
+# A plugin written as people write modules today: postponed annotations, a dataclass for its settings, and
+# its helpers in a sibling file imported relatively.
+MODERN_PLUGIN = textwrap.dedent('''
+    from __future__ import annotations
+
+    from dataclasses import dataclass, field
+
+    from megatron_pp.schedules.registry import register_schedule
+
+    from .plugin_helpers import reversed_warmup
+
+
+    @dataclass
+    class Settings:
+        name: str
+        tags: list[str] = field(default_factory=list)
+
+
+    SETTINGS = Settings("test-modern-plugin", ["dataclass"])
+    register_schedule(SETTINGS.name, reversed_warmup, supports_virtual=False, description="a modern plugin file")
+''')
+MODERN_HELPERS = textwrap.dedent('''
+    from __future__ import annotations
+
+    from megatron_pp.schedules.generators import one_f_one_b
+    from megatron_pp.schedules.ir import Schedule
+
+
+    def reversed_warmup(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+        return one_f_one_b(num_ranks, num_microbatches)
+''')
+
+
+def test_a_plugin_with_postponed_annotations_a_dataclass_and_a_relative_import_loads(tmp_path):
+    """The loader registers the module before running it (a dataclass looks its module up in sys.modules;
+    without it: AttributeError) and gives the file a package searching its directory (the relative import)."""
+    (tmp_path / "modern_plugin.py").write_text(MODERN_PLUGIN)
+    (tmp_path / "plugin_helpers.py").write_text(MODERN_HELPERS)
+    try:
+        load_plugin(str(tmp_path / "modern_plugin.py"))
+        assert registry.build_schedule("test-modern-plugin", 2, 4, 1).actions == registry.build_schedule("1f1b", 2, 4).actions
+    finally:
+        registry.unregister_schedule("test-modern-plugin")
+    # The same through a tool, as a user runs it.
+    proc = _run([sys.executable, "tools/plot_schedule.py", "--schedule-plugin", str(tmp_path / "modern_plugin.py"),
+                 "--schedule", "test-modern-plugin", "--pp", "2", "--microbatches", "2", "--json",
+                 str(tmp_path / "s.json")])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_two_plugin_files_of_one_name_in_two_directories_both_load(tmp_path):
+    for index in (1, 2):
+        (tmp_path / f"d{index}").mkdir()
+        (tmp_path / f"d{index}" / "schedules.py").write_text(PLUGIN.replace("test-offloaded-interleaved",
+                                                                             f"test-same-name-{index}"))
+    try:
+        for index in (1, 2):
+            load_plugin(str(tmp_path / f"d{index}" / "schedules.py"))
+        assert {"test-same-name-1", "test-same-name-2"} <= set(registry.list_schedules())
+    finally:
+        for index in (1, 2):
+            registry.unregister_schedule(f"test-same-name-{index}")
+
+
 def test_flag_scan():
     assert plugins_in_argv(["--x", "1", "--schedule-plugin", "a.b", "--schedule-plugin=c.py"]) == ["a.b", "c.py"]
     with pytest.raises(PluginError, match="needs a module"):

@@ -118,3 +118,60 @@ def test_csv_skips_communication_cells_and_idle_slots():
     schedule = read_torch_csv("inline.csv", text)
     assert [str(a) for a in schedule.actions[0]] == ["F0.0", "B0.0"]
     assert [str(a) for a in schedule.actions[1]] == ["F0.0", "B0.0"]
+
+
+def _file_job(tmp_path, name: str, p: int, m: int, v: int, *flags: str):
+    """The schedule `pretrain` would run for a file holding registered schedule `name` at (p, m, v) with the
+    schedule `flags`: parsed and built by the same functions the training scripts call."""
+    from megatron_pp.training.arguments import build_job_schedule
+    from megatron_pp.training.flags import build_parser
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(schedule_to_json(build_schedule(name, p, m, v))))
+    args = build_parser().parse_args(["--model-preset", "gpt-tiny", "--num-layers", str(p * v), "--mock-data",
+                                      "--micro-batch-size", "1", "--global-batch-size", str(m),
+                                      "--pipeline-model-parallel-size", str(p), "--pipeline-schedule-file", str(path),
+                                      *flags])
+    return build_job_schedule(args, 1, None)
+
+
+def _moved(schedule, op: str) -> set[tuple[int, int, int]]:
+    """(rank, microbatch, chunk) of every `op` action (OFFLOAD, EVICT, ...)."""
+    return {(r, a.microbatch, a.chunk) for r, acts in enumerate(schedule.actions) for a in acts if a.op.value == op}
+
+
+@pytest.mark.parametrize("flags,chunks", [
+    (["--offload-chunks", "1"], 1),
+    (["--offload-fraction", "0.5"], 1),  # ceil(0.5 x 2 chunks) = 1: the first chunk
+    (["--offload-fraction", "1.0"], 2),
+    (["--offload-chunks", "2", "--offload-time", "0.25"], 2),
+])
+def test_each_offload_flag_offloads_a_file_job(tmp_path, flags, chunks):
+    """The flag's chunks go to host memory and come back on every rank (`--offload-fraction` alone once ran
+    the file with no offload at all): with one chunk, every microbatch's stash of chunk 0; a fraction gives
+    the very lists of the chunk count it rounds to."""
+    schedule = _file_job(tmp_path, "gis", 2, 4, 2, *flags)
+    offloaded = _moved(schedule, "OFFLOAD")
+    assert offloaded == _moved(schedule, "RELOAD") and {c for _, _, c in offloaded} == set(range(chunks)), flags
+    assert {r for r, _, _ in offloaded} == {0, 1}
+    if chunks == 1:
+        assert offloaded == {(r, mb, 0) for r in range(2) for mb in range(4)}
+    assert schedule.options["offload_chunks"] == chunks
+    if "--offload-fraction" in flags:
+        assert schedule.actions == _file_job(tmp_path, "gis", 2, 4, 2, "--offload-chunks", str(chunks)).actions
+    if "--offload-time" in flags:
+        assert schedule.options["offload_time"] == 0.25
+
+
+def test_bpipe_max_resident_parks_stashes_of_a_file_job(tmp_path):
+    """1F1B at p = 4, m = 8 from a file with --bpipe-max-resident 2: rank 0 (4 stashes at its peak) parks
+    its stashes above 2 on rank 3, which accepts and returns each; the bound is recorded."""
+    schedule = _file_job(tmp_path, "1f1b", 4, 8, 1, "--bpipe-max-resident", "2")
+    evicted = _moved(schedule, "EVICT")
+    assert evicted and {r for r, _, _ in evicted} <= {0, 1} and 0 in {r for r, _, _ in evicted}
+    assert evicted == _moved(schedule, "LOAD")
+    accepted = {(mb, c) for r, mb, c in _moved(schedule, "ACCEPT") if r == 3}
+    assert {(mb, c) for r, mb, c in evicted if r == 0} == accepted
+    assert schedule.options["bpipe_max_resident"] == 2
+    plain = _file_job(tmp_path, "1f1b", 4, 8, 1)
+    assert not _moved(plain, "EVICT") and not _moved(plain, "OFFLOAD")
