@@ -237,6 +237,27 @@ def trace_clock_bound(*reports: dict) -> str:
 TRACES = ("docs/results/trace_vs_sim_cpu.json", "docs/results/trace_vs_sim_cpu_iters11.json",
           "docs/results/trace_vs_sim_cpu_quiet.json", "docs/results/trace_vs_sim_cpu_quiet_iters11.json")
 
+def trends_of(paper: str, keep=lambda trend: True):
+    """A renderer for one paper's small-scale trend table of `tools/reproduce.py all --quick` (measured on
+    CPU by the executor, predicted by the simulator), formatted as `PaperReport.format` prints it; `keep`
+    picks rows (the layered paper's trends were measured in the breadth-first report)."""
+    def render(data: dict) -> str:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from megatron_pp.planning.papers.common import error_text
+        (report,) = [r for r in data["reports"] if r["paper"] == paper]
+        return table(["Small-scale trend", "Setting", "Measured (executor, CPU)", "Predicted (simulator)", "Error"],
+                     [[t["trend"], t["setting"], t["measured"], t["predicted"], error_text(t["error"])]
+                      for t in report["trends"] if keep(t["trend"])])
+    render.__doc__ = f"The small-scale trend rows of {paper} in docs/results/reproduce_quick.json."
+    return render
+
+def farthest_stash_trend(data: dict) -> str:
+    """The stash-peak trend row of `reproduce.py all --quick` farthest from its measurement, as
+    '2.46% (PipeOffload: peak stash per rank, po-f, −2.46%)': the bound a page may claim for all of them."""
+    rows = [t for report in data["reports"] for t in report["trends"] if "stash" in t["trend"] and t["error"] is not None]
+    worst = max(rows, key=lambda t: abs(t["error"]))
+    return f"{pct(abs(worst['error']), 2)} ({worst['trend']}, {pct(worst['error'], 2, sign=True)})"
+
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -254,6 +275,14 @@ RENDERERS: dict = {
     "trace-vs-sim-loaded-iters11": (TRACES[1], trace_vs_sim_table),
     "trace-vs-sim-quiet": (TRACES[2:], trace_vs_sim_pair_table),
     "trace-clock-bound": (TRACES, trace_clock_bound),
+    # BPipe's trend rows (bpipe, bpipe-reeval) are re-measured with the acceptor change; add them with it.
+    "trends-pipeoffload": ("docs/results/reproduce_quick.json", trends_of("pipeoffload")),
+    "trends-2bw": ("docs/results/reproduce_quick.json", trends_of("2bw")),
+    "trends-breadth-first": ("docs/results/reproduce_quick.json",
+                             trends_of("breadth-first", lambda trend: trend.startswith("breadth-first"))),
+    "trends-layered": ("docs/results/reproduce_quick.json",
+                       trends_of("breadth-first", lambda trend: not trend.startswith("breadth-first"))),
+    "stash-trends-farthest": ("docs/results/reproduce_quick.json", farthest_stash_trend),
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
