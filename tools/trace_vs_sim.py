@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="trace_vs_sim.py", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", default="2,4", help="pipeline sizes, comma-separated")
     parser.add_argument("--schedules", default="1f1b,interleaved-1f1b,zb-h1,zb-v")
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", default="8",
+                        help="microbatches per step; with --emulate a comma-separated list where Np means N x pp "
+                             "(default there: 2p,4p)")
     parser.add_argument("--iters", type=int, default=6, help="training iterations; the first is warm-up")
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -72,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
     parser.add_argument("--keep-traces", default=None, metavar="DIR", help="keep each run's trace here")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--emulate", action="store_true",
+                        help="emulated compute (megatron_pp/benchmarks/emulate.py): every compute action and stash "
+                             "copy sleeps for its cost-model time on a tiny model, so p = 16 fits on 2 cores; "
+                             "compares step time and bubble with the simulator")
+    parser.add_argument("--costs", default="equal,split", help="--emulate: cost sets, comma-separated (equal, split)")
+    parser.add_argument("--unit-ms", type=float, default=20.0, help="--emulate: one forward, in milliseconds")
+    parser.add_argument("--steps", type=int, default=2, help="--emulate: measured steps after one warm-up step")
     return parser
 
 
@@ -284,17 +293,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         pps = _list(args.pp, "--pp", int)
         names = _list(args.schedules, "--schedules")
-        unknown = [n for n in names if n not in list_schedules()]
+        unknown = [n for n in names if n not in list_schedules() and not (args.emulate and names == ["all"])]
         if unknown:
             raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}")
-        if args.iters < 2:
-            raise UsageError(f"--iters must be >= 2 (the first step is warm-up), got {args.iters}")
-        # Every job's arguments and lists are checked before the first (slow) run.
-        jobs = [(pp, name, job_schedule(training_argv(args, name, pp, "trace.json"), pp))
-                for pp in pps for name in names]
+        if args.emulate:
+            from megatron_pp.benchmarks.emulate_report import plan_emulation, run_emulation
+
+            plan = plan_emulation(args, pps, names)  # every list built and checked before the first pool starts
+        else:
+            try:
+                args.microbatches = int(args.microbatches)
+            except ValueError:
+                raise UsageError(f"--microbatches {args.microbatches!r}: one integer (lists need --emulate)") from None
+            if args.iters < 2:
+                raise UsageError(f"--iters must be >= 2 (the first step is warm-up), got {args.iters}")
+            # Every job's arguments and lists are checked before the first (slow) run.
+            jobs = [(pp, name, job_schedule(training_argv(args, name, pp, "trace.json"), pp))
+                    for pp in pps for name in names]
     except (UsageError, ValueError) as err:
         print(f"trace_vs_sim.py: error: {err}", file=sys.stderr)
         return 2
+    if args.emulate:
+        return run_emulation(args, plan, argv)
     import torch
 
     results = []

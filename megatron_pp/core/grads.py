@@ -47,7 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_pp.core.host_read import read_values
 from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.core.storage import same_memory
 from megatron_pp.core.tensor_parallel.utils import (
     PendingCollective,
     start_all_reduce_,
@@ -56,13 +58,13 @@ from megatron_pp.core.tensor_parallel.utils import (
 
 DEFAULT_BUCKET_BYTES = 40 * 1024 * 1024
 GRAD_DTYPE = torch.float32  # gradients accumulate and are reduced in fp32 whatever the model's dtype
-# Elements per fp64 norm. The CPU kernel upcasts its input to a temporary fp64 copy: at 2^13 elements
-# (64 KiB) it stays in cache and below glibc's 128 KiB mmap threshold (at 2^14 some processes paid
-# ~10 page faults per piece; 2^22-element pieces ran up to 8x slower).
-# Elsewhere 2^22 bounds the copy a non-multi-tensor fallback would make while keeping the list short
-# (CUDA's multi-tensor kernel reads fp32 directly; each view is a Python object per step).
+# Elements per fp64 norm view: 2^22 on every device. Each view is a Python object and a kernel argument
+# per step, so small pieces cost in proportion to the model: 8192-element pieces made 146k views and 19 s
+# per optimizer step for a LLaMA-3-70B rank (tp 8 x pp 8, fake tensors), 0.1 s with 2^22. The CPU kernel's
+# fp64 temporary is then 32 MiB per piece; on the 2-core dev machine one thread took 0.20 s for 2^25
+# elements in 2^22 pieces against 0.22 s in 2^13 pieces (best of 3, noisy machine), so small pieces bought
+# nothing there either. Only the fp64 summation order depends on the size (relative 1e-16 per term).
 _NORM_CHUNK = 1 << 22
-_NORM_CHUNK_CPU = 1 << 13
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -103,7 +105,7 @@ def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup) -> None
 def squared_norms_fp64(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """Sum of squares of each group of tensors, accumulated in fp64, as an fp64 vector `[len(groups)]`.
 
-    Every tensor is cut into views of at most `_NORM_CHUNK(_CPU)` elements (see there), all views of all
+    Every tensor is cut into views of at most `_NORM_CHUNK` elements (see there), all views of all
     groups go through one `torch._foreach_norm` (one multi-tensor kernel on CUDA instead of three
     launches per tensor), and the squared norms are summed per group from one stacked vector. No host
     synchronisation.
@@ -117,7 +119,7 @@ def squared_norms_fp64(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor
         before = len(pieces)
         for t in group:
             device = t.device
-            pieces.extend(t.detach().reshape(-1).split(_NORM_CHUNK_CPU if device.type == "cpu" else _NORM_CHUNK))
+            pieces.extend(t.detach().reshape(-1).split(_NORM_CHUNK))
         sizes.append(len(pieces) - before)
     if not pieces:
         return torch.zeros(len(groups), dtype=torch.float64, device=device)
@@ -434,7 +436,7 @@ class GradientReducer:
             return
         self._check_step_open()
         view = self._views[id(p)]
-        if p.grad.data_ptr() != view.data_ptr():
+        if not same_memory(p.grad, view):
             # A low-precision gradient (or a `.grad` someone reset): fold it into the fp32 slot.
             view.add_(p.grad)
             p.grad = view if p.dtype == GRAD_DTYPE else None
@@ -492,7 +494,7 @@ class GradientReducer:
             reduced = bucket.pending.wait()
             bucket.pending = None
             shard = bucket.grad[bucket.shard_start : bucket.shard_end]
-            if reduced.data_ptr() != shard.data_ptr():
+            if not same_memory(reduced, shard):
                 shard.copy_(reduced)
         all_reduce_coalesced(self._sequence_parallel_grads, self.state.tp_group)
         if self._embedding_grads and reduce_embedding:
@@ -518,7 +520,7 @@ class GradientReducer:
         stats = torch.stack([(~torch.isfinite(sumsq + rest)).double(), sumsq])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
-        found_inf, total = stats.tolist()
+        found_inf, total = read_values(stats, "found-inf")
         return math.sqrt(total) if found_inf == 0 else math.inf, found_inf > 0
 
     @torch.no_grad()

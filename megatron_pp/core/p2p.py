@@ -52,6 +52,9 @@ class PendingSend:
     work: dist.Work
     tensor: torch.Tensor  # kept referenced until the send is done: the backend reads it asynchronously
     on_complete: Optional[Callable[[], None]]
+    waited: bool = False
+    """Its work was waited for explicitly: done, whatever `Work.is_completed()` says (the fake backend's
+    works never say so)."""
 
 
 @dataclass
@@ -86,6 +89,9 @@ class PipelineComm:
             works += [dist.irecv(buf, peer, group=self.group) for buf, peer in recv_list]
         for (tensor, _, callback), work in zip(sends, works[: len(sends)]):
             self.pending.append(PendingSend(work, tensor, callback))
+            if completes_at_once(self.group):
+                work.wait()  # the fake backend: done on posting; the explicit wait is what retires it
+                self.pending[-1].waited = True
         return [Transfer(buf, work) for (buf, _), work in zip(recvs, works[len(sends):])]
 
     def post_receive(self, buffer: torch.Tensor, peer: int) -> Transfer:
@@ -97,7 +103,7 @@ class PipelineComm:
 
     def poll(self) -> None:
         """Retire sends that have completed, oldest first, without blocking."""
-        while self.pending and self.pending[0].work.is_completed():
+        while self.pending and (self.pending[0].waited or self.pending[0].work.is_completed()):
             self._retire(self.pending.popleft())
 
     def drain(self) -> None:
@@ -142,6 +148,12 @@ def needs_batches(group: Optional[dist.ProcessGroup]) -> bool:
         return False
     # A mixed backend ("cpu:gloo,cuda:nccl") routes CUDA tensors to NCCL: batch there too.
     return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def completes_at_once(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether operations on `group` are complete when posted (torch's `fake` backend, which the dry run
+    uses: nothing moves, and its works never report completion)."""
+    return dist.is_initialized() and str(dist.get_backend(group)).lower() == "fake"
 
 
 def warm_up(group: Optional[dist.ProcessGroup], device: torch.device) -> None:

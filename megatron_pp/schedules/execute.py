@@ -223,7 +223,7 @@ class PipelineExecutor:
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
 
     # The loop ---------------------------------------------------------------------------------------------
-    def run(self, microbatches: Sequence[dict] | Mapping[int, dict], loss_scale: float,
+    def run(self, microbatches: Sequence[dict] | Mapping[int, dict], loss_scale: float | torch.Tensor,
             segment: Optional[Sequence[Action]] = None, forward_only: bool = False) -> StepResult:
         """Execute the rank's list once. `microbatches[i]` is the batch dict of microbatch i.
 
@@ -244,6 +244,10 @@ class PipelineExecutor:
             self._clear_in_flight()
         self._microbatches = microbatches
         self._loss_scale = loss_scale
+        # A loss scale held as a device tensor (1 / the global token count, never read on the host) is saved
+        # by each loss's multiply: one scalar of the step, not per-microbatch memory.
+        scale_tensors = [loss_scale] if isinstance(loss_scale, torch.Tensor) else []
+        self.store.exclude(scale_tensors)
         self._loss_sum: Optional[torch.Tensor] = None
         self._token_count: Optional[torch.Tensor] = None
         self._wait_s = 0.0
@@ -291,6 +295,7 @@ class PipelineExecutor:
                                           ("output grads", self._grad_outputs), ("input grads", self._input_grads)) if d]
         if leftovers and segment is None:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed {', '.join(leftovers)}")
+        self.store.include(scale_tensors)
         return StepResult(
             loss_sum=self._loss_sum,
             token_count=self._token_count,

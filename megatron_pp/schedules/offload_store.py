@@ -48,6 +48,7 @@ from typing import Hashable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
+from megatron_pp.core.storage import storage_key
 from megatron_pp.schedules.store import ActivationStore, Stash
 
 _ALIGN = 512
@@ -182,12 +183,12 @@ class HostBufferPool:
 
     def give(self, buffer: torch.Tensor, fence: Optional[CopyTicket] = None) -> None:
         """Return `buffer`; `fence` is the last copy that reads it, which the next copy into it must follow."""
-        self._fences[buffer.data_ptr()] = fence
+        self._fences[storage_key(buffer)] = fence
         self._free.setdefault(buffer.numel(), []).append(buffer)
 
     def fence(self, buffer: torch.Tensor) -> Optional[CopyTicket]:
         """The copy that last read `buffer` (None for a new buffer)."""
-        return self._fences.get(buffer.data_ptr())
+        return self._fences.get(storage_key(buffer))
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -216,7 +217,7 @@ class _Record:
     stash: Stash
     state: StashState = StashState.SAVING
     storages: dict[int, _Storage] = field(default_factory=dict)
-    """data_ptr at save time -> storage, for storages big enough to move."""
+    """storage_key at save time -> storage, for storages big enough to move."""
     parked: list[_Storage] = field(default_factory=list)
     host: Optional[torch.Tensor] = None
     ticket: Optional[CopyTicket] = None
@@ -296,9 +297,9 @@ class OffloadStore(ActivationStore):
         if (self.is_excluded(t) or storage.nbytes() <= self.min_numel * t.element_size()
                 or storage.device != self.device):
             return packed
-        entry = record.storages.get(storage.data_ptr())
+        entry = record.storages.get(storage_key(storage))
         if entry is None:
-            entry = record.storages[storage.data_ptr()] = _Storage(storage, storage.nbytes())
+            entry = record.storages[storage_key(storage)] = _Storage(storage, storage.nbytes())
         saved = _Saved(record, entry, t, t.dtype, t.storage_offset(), t.size(), t.stride())
         entry.handles.append(saved)
         return saved
@@ -339,16 +340,16 @@ class OffloadStore(ActivationStore):
     def _choose_parked(self, record: _Record, keep: Iterable[torch.Tensor], private: Iterable[torch.Tensor]) -> int:
         """Fill `record.parked` with the storages that leave the device (see `offload` for `keep` and
         `private`) and their offsets in a packed buffer; return that buffer's size in bytes."""
-        kept = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+        kept = {storage_key(t) for t in keep if isinstance(t, torch.Tensor)}
         for other in self.live.values():
             if other is not record.stash:
                 kept.update(other.storages)  # shared with another live stash: not ours to move
-        private_ptrs = {t.untyped_storage().data_ptr() for t in private}
+        private_keys = {storage_key(t) for t in private}
         offset = 0
-        for ptr, entry in record.storages.items():
-            if ptr in kept or entry.nbytes == 0:
+        for key, entry in record.storages.items():
+            if key in kept or entry.nbytes == 0:
                 continue
-            entry.in_place, entry.offset = ptr in private_ptrs, offset
+            entry.in_place, entry.offset = key in private_keys, offset
             record.parked.append(entry)
             offset += -(-entry.nbytes // _ALIGN) * _ALIGN
         return offset

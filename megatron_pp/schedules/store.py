@@ -11,24 +11,25 @@ stashes still in device memory (`resident_count`), without touching the executor
 """
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Iterator
 
 import torch
 
+from megatron_pp.core.storage import StorageRef, storage_key
+
 
 @dataclass
 class Stash:
     key: Hashable
-    storages: dict[int, int] = field(default_factory=dict)  # data_ptr -> nbytes
-    # data_ptr -> weak reference to the storage counted there. An address alone does not name a storage: a
+    storages: dict[int, int] = field(default_factory=dict)  # storage_key -> nbytes
+    # storage_key -> weak reference to the storage counted there. A key alone does not name a storage: a
     # storage the stash counted can be freed before the stash is released (a split backward's BI frees what
-    # its BW does not need) and the allocator can hand its address to a new tensor the stash then holds.
-    _alive: dict[int, weakref.ref] = field(default_factory=dict, repr=False)
+    # its BW does not need) and a new storage can take its key while the stash holds it.
+    _alive: dict[int, StorageRef] = field(default_factory=dict, repr=False)
     freed_bytes: int = 0
-    """Bytes of counted storages freed while the stash is live, whose address a later storage took."""
+    """Bytes of counted storages freed while the stash is live, whose key a later storage took."""
 
     @property
     def nbytes(self) -> int:
@@ -37,25 +38,25 @@ class Stash:
     def add(self, t: torch.Tensor) -> int:
         """Count `t`'s storage in this stash unless it already is; the bytes newly counted."""
         storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if ptr in self.storages:
-            if self._alive[ptr]() is storage:
+        key, nbytes = storage_key(storage), storage.nbytes()
+        if key in self.storages:
+            if self._alive[key].alive_as(storage):
                 return 0
-            # The storage counted at this address was freed, yet stays counted until the stash is released
-            # (as the planner counts it); the new one at the same address is more memory, not the same.
-            self.freed_bytes += self.storages.pop(ptr)
+            # The storage counted at this key was freed, yet stays counted until the stash is released
+            # (as the planner counts it); the new one at the same key is more memory, not the same.
+            self.freed_bytes += self.storages.pop(key)
         self.put(storage)
         return nbytes
 
     def put(self, storage: torch.UntypedStorage) -> None:
-        """Count `storage` at its address (a subclass bringing a moved storage back uses this too)."""
-        self.storages[storage.data_ptr()] = storage.nbytes()
-        self._alive[storage.data_ptr()] = weakref.ref(storage)
+        """Count `storage` at its key (a subclass bringing a moved storage back uses this too)."""
+        self.storages[storage_key(storage)] = storage.nbytes()
+        self._alive[storage_key(storage)] = StorageRef(storage)
 
     def drop(self, storage: torch.UntypedStorage) -> None:
         """Stop counting `storage` (a subclass moved it off the device)."""
-        self.storages.pop(storage.data_ptr(), None)
-        self._alive.pop(storage.data_ptr(), None)
+        self.storages.pop(storage_key(storage), None)
+        self._alive.pop(storage_key(storage), None)
 
 
 class ActivationStore:
@@ -72,13 +73,13 @@ class ActivationStore:
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these (parameters, buffers): they are not per-microbatch memory."""
         for t in tensors:
-            self._excluded.add(t.untyped_storage().data_ptr())
+            self._excluded.add(storage_key(t))
 
     def include(self, tensors: Iterable[torch.Tensor]) -> None:
         """Undo `exclude` for these tensors' current storage, which is about to be freed (sharded weights
-        free a chunk's gathered parameters after it runs): the address may come back as an activation's."""
+        free a chunk's gathered parameters after it runs): the key may come back as an activation's."""
         for t in tensors:
-            self._excluded.discard(t.untyped_storage().data_ptr())
+            self._excluded.discard(storage_key(t))
 
     @contextmanager
     def stash(self, key: Hashable) -> Iterator[Stash]:
@@ -131,13 +132,13 @@ class ActivationStore:
     def pack(self, t: torch.Tensor, stash: Stash):
         """Attribute `t` (saved by autograd inside `stash(key)`) to that stash; the peak is noted when the
         block ends, since nothing is released while a forward runs."""
-        if t.untyped_storage().data_ptr() not in self._excluded:
+        if storage_key(t) not in self._excluded:
             self.live_bytes += stash.add(t)
         return t
 
     def is_excluded(self, t: torch.Tensor) -> bool:
         """Whether `t`'s storage belongs to a parameter or buffer (never per-microbatch memory)."""
-        return t.untyped_storage().data_ptr() in self._excluded
+        return storage_key(t) in self._excluded
 
     def unpack(self, packed):
         return packed

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_pp.core import comm
+from megatron_pp.core.storage import storage_key
 from megatron_pp.core.tensor_parallel import RNGTracker
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layers import TransformerLayer
@@ -66,7 +67,7 @@ def measure_offload_time(config: TransformerConfig, micro_batch_size: int, devic
     """Measure T for one layer of `config` at `micro_batch_size` on `device` (collective over the world)."""
     layer = TransformerLayer(config, None, False, RNGTracker(), device).to(device=device, dtype=config.params_dtype)
     layer.eval()  # no dropout (its RNG streams belong to the real model); saved tensors are the same
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    params = {storage_key(p) for p in layer.parameters()}
     s, b, h = config.seq_length, micro_batch_size, config.hidden_size
     x = torch.randn(s, b, h, device=device, dtype=config.params_dtype, requires_grad=True)
     rotary = None
@@ -76,9 +77,8 @@ def measure_offload_time(config: TransformerConfig, micro_batch_size: int, devic
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if storage_key(t) not in params:
+            saved[storage_key(t)] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -137,7 +137,7 @@ class Trainer:
             "loss_scale": 1.0 if outcome.loss_scale is None else outcome.loss_scale,  # 1.0: no loss scaling
             "skipped": outcome.skipped,
             "step_time_s": step_time,
-            "tokens_per_s": tokens / step_time,
+            "tokens_per_s": metrics.tokens / step_time,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "hfu": hardware_tflops / self.peak_tflops if self.peak_tflops else None,

@@ -37,6 +37,7 @@ from megatron_pp.schedules.twobw import CallKind, build_plan
 from megatron_pp.training.checkpointing import CheckpointError
 from megatron_pp.training.metrics import take_peak_memory
 from megatron_pp.training.signals import ExitConditions
+from megatron_pp.core.host_read import read_values
 from megatron_pp.training.step import global_token_count
 from megatron_pp.training.trainer import Trainer, local_events
 from megatron_pp.training.weight_versions import DelayedUpdateOptimizer, WeightVersions
@@ -87,7 +88,10 @@ class DeferredUpdateSteps:
                 first = trainer.progress.consumed_samples + (b - batch) * args.global_batch_size
                 self._loaded[b] = data.microbatches(data.train, first, state.dp_rank, state.device)
         microbatches = {b * m + i: mb for b, mbs in self._loaded.items() for i, mb in enumerate(mbs)}
-        tokens = global_token_count(self._loaded[batch], state)
+        count = global_token_count(self._loaded[batch], state)
+        # 2BW's rows are written a batch later, from their own gathered metrics: the count is read here
+        # (its own synchronisation; the flushing schedules read it with the loss, `step_metrics`).
+        tokens = read_values(count, "tokens")[0]
         multiplier = self.optimizer.begin_batch(batch)
         self.optimizer.reducer.start_step(m)
         segment = self.plan.segment(CallKind.of(self._fresh, flush), state.pp_rank, batch)

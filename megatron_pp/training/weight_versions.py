@@ -53,6 +53,7 @@ from torch import nn
 
 from megatron_pp.core.grads import GradientReducer, counts_once_in_model, squared_norms_fp64, unique_parameters
 from megatron_pp.core.parallel_state import ParallelState
+from megatron_pp.core.storage import same_memory
 from megatron_pp.core import comm
 from megatron_pp.core.tensor_parallel.utils import PendingCollective, start_all_reduce_
 from megatron_pp.schedules.execute import ExecutorHooks
@@ -151,7 +152,7 @@ class WeightVersions(ExecutorHooks):
             raise RuntimeError("restoring weight versions while microbatches are in flight")
         newest = newest_version % 2
         for dst, p in zip(self.buffers[newest], self.params):
-            if dst.data_ptr() != p.data.data_ptr():
+            if not same_memory(dst, p.data):
                 dst.copy_(p.data)
         for dst, src in zip(self.buffers[1 - newest], older if older is not None else self.buffers[newest]):
             dst.copy_(src)

@@ -34,7 +34,7 @@ def loop_reference(tensors) -> float:
 
 
 def test_matches_the_per_tensor_loop(monkeypatch):
-    monkeypatch.setattr(grads, "_NORM_CHUNK_CPU", 1000)  # so the big tensors are cut into chunks
+    monkeypatch.setattr(grads, "_NORM_CHUNK", 1000)  # so the big tensors are cut into chunks
     g = torch.Generator().manual_seed(0)
     counted = [torch.randn(3, 5000, generator=g), torch.randn(7, generator=g), torch.randn(1, generator=g)]
     rest = [torch.randn(2500, generator=g).to(torch.bfloat16), torch.randn(4, 4, generator=g) * 1e3]

@@ -1,0 +1,287 @@
+"""Emulated compute: the real executor, real gloo transfers and real stash stores, with every compute action
+and every stash copy taking the time a simulator `CostModel` gives it, so pipelines of 16 ranks fit on
+2 cores and the trace shows the executor's own behaviour (posting, waiting, the p2p path, the stores).
+
+A rank that sleeps needs no CPU. Each rank builds a tiny GPT (1 layer per chunk, hidden 16, sequence 8),
+whose own compute is a fraction of a millisecond, and wraps the executor's handlers (its public table,
+the way `ExecutorHooks` adds behaviour without touching the loop):
+
+- F, B, BI, BW run the real handler (which waits for the received input, as always), then sleep for the
+  rest of the action's duration: `duration - own compute`, own compute being the handler's time less its
+  wait on the input (`PipelineExecutor._wait_s`). The model's compute is absorbed into the duration, and
+  the JSON reports its share (`model_share`).
+- OFFLOAD, RELOAD (host copies, one lane per rank) and EVICT, LOAD (BPipe, one lane per peer and
+  direction) run the real store's handler and then occupy their lane for `CostModel.transfer_time`
+  seconds, as the simulator times them: a copy back starts once the copy out is done, a B or BI waits
+  for its stash's copy back, an F for the EVICTs issued before it (`schedules.simulate`). The acceptor's
+  side of an EVICT (its ACCEPT post) is not waited for here: the real `PeerStore` does what it does.
+
+Not emulated: point-to-point transfer time beyond gloo's own (tens of microseconds on one host); the
+simulator is given latency 0, so a full-size activation's link time is outside this comparison.
+
+This is a benchmark mode: it lives here and in `tools/trace_vs_sim.py --emulate`, never behind a training
+flag. Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of a host),
+so rank timelines line up without a clock exchange.
+
+Worked numbers (equal costs, unit 20 ms): F = 20 ms, B = 40 ms, BI = BW = 20 ms per chunk; 1F1B at p = 4,
+m = 8 simulates to (8·3 + 3·3)·20 ms = 660 ms, bubble 9/33 = 0.27.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megatron_pp.schedules.ir import Op, Schedule
+from megatron_pp.schedules.simulate import CostModel, simulate
+
+# Virtual stages and builder options per schedule family: the variant the issue names (PO-H offloads, the
+# looped schedule reduces layer by layer).
+FAMILIES: dict[str, tuple[int, dict]] = {
+    "1f1b": (1, {}), "interleaved-1f1b": (2, {}), "gpipe": (1, {}), "zb-h1": (1, {}), "zb-h2": (1, {}),
+    "zb-v": (2, {}), "v-half": (2, {}), "bpipe": (1, {}), "gis": (2, {}), "gis-h": (2, {}), "po-h": (2, {}),
+    "looped-bfs": (2, {"layered_grad_accumulation": True}), "2bw": (1, {}),
+}
+SPLIT_BACKWARD_JSON = Path(__file__).resolve().parents[2] / "docs" / "results" / "split_backward_cpu.json"
+
+
+def family_schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    """The validated lists of family `name` at (pp, microbatches) with its emulated variant's options."""
+    from megatron_pp.schedules.registry import build_schedule
+
+    if name not in FAMILIES:
+        raise ValueError(f"no emulated variant of schedule {name!r}; known: {', '.join(FAMILIES)}")
+    chunks, options = FAMILIES[name]
+    return build_schedule(name, pp, microbatches, chunks, **options)
+
+
+def cost_model(kind: str, unit_s: float) -> CostModel:
+    """Costs in seconds. `equal`: F = 1, B = 2, BI = BW = 1 unit. `split`: F = 1, B = 2 and B split as
+    measured here (docs/results/split_backward_cpu.json: BI = B x input_over_whole, BW = B x
+    (split_over_whole - input_over_whole)); F = B/2 is our assumption, that file times no forward."""
+    if kind == "equal":
+        return CostModel(forward=unit_s, backward=2 * unit_s, backward_input=unit_s, backward_weight=unit_s)
+    if kind == "split":
+        measured = json.loads(SPLIT_BACKWARD_JSON.read_text())
+        b = 2 * unit_s
+        return CostModel(forward=unit_s, backward=b, backward_input=b * measured["input_over_whole"],
+                         backward_weight=b * (measured["split_over_whole"] - measured["input_over_whole"]))
+    raise ValueError(f"unknown cost set {kind!r}; known: equal, split")
+
+
+# Worker side --------------------------------------------------------------------------------------------
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _sleep_until(deadline: float) -> float:
+    """Sleep until `deadline`; returns how long that was."""
+    gap = deadline - _now()
+    if gap > 0:
+        time.sleep(gap)
+    return max(gap, 0.0)
+
+
+@dataclass
+class Emulator:
+    """Wraps one executor's handlers so compute and stash copies take `costs`' durations (module docstring).
+    Records, per step, every compute action's (label, start, end, waited, own) and every copy's
+    (label, start, end) on the shared clock, and every message posting (`posts`)."""
+
+    executor: object
+    schedule: Schedule
+    costs: CostModel
+    compute: list = field(default_factory=list)
+    copies: list = field(default_factory=list)
+    posts: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ex = self.executor
+        self._stage = [self.schedule.stage_of(ex.rank, c) for c in range(self.schedule.num_chunks)]
+        for op in (Op.F, Op.B, Op.BI, Op.BW):
+            ex.handlers[op] = self._timed_compute(ex.handlers[op])
+        for op in (Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD):
+            ex.handlers[op] = self._timed_copy(ex.handlers[op])
+        if Op.STEP in ex.handlers:  # 2BW's deferred update: no optimizer here, and outside the simulated model
+            ex.handlers[Op.STEP] = lambda action: None
+        if ex.comm is not None:
+            self._record_posts(ex.comm)
+        self.reset()
+
+    def reset(self) -> None:
+        self.compute, self.copies, self.posts = [], [], []
+        self._lanes: dict = {}
+        self._away: dict = {}
+        self._back_at: dict = {}
+        self._evicted_at = 0.0
+
+    def _timed_compute(self, real):
+        def run(action) -> None:
+            key = (action.microbatch, action.chunk)
+            begin = _now()
+            # What the simulator makes a compute wait for besides its input: its stash's copy back, and for a
+            # forward the evictions issued before it.
+            if action.op is Op.F:
+                _sleep_until(self._evicted_at)
+            elif action.op is not Op.BW:
+                _sleep_until(self._back_at.pop(key, 0.0))
+            copy_wait = _now() - begin
+            waited_before = self.executor._wait_s  # the executor's time blocked on received inputs
+            start = _now()
+            real(action)
+            input_wait = self.executor._wait_s - waited_before
+            own = _now() - start - input_wait
+            duration = self.costs.duration(action.op, self._stage[action.chunk])
+            _sleep_until(_now() + duration - own)
+            self.compute.append((str(action), begin, _now(), copy_wait + input_wait, own))
+        return run
+
+    def _timed_copy(self, real):
+        def run(action) -> None:
+            real(action)
+            op, key = action.op, (action.microbatch, action.chunk)
+            lane = "host" if op in (Op.OFFLOAD, Op.RELOAD) else (op.value, action.peer)
+            duration = self.costs.transfer_time(op, self._stage[action.chunk], self.schedule.options.get("offload_time"))
+            start = max(_now(), self._lanes.get(lane, 0.0))
+            if op in (Op.RELOAD, Op.LOAD):
+                start = max(start, self._away.pop(key, start))
+            end = self._lanes[lane] = start + duration
+            if op in (Op.OFFLOAD, Op.EVICT):
+                self._away[key] = end
+                if op is Op.EVICT:
+                    self._evicted_at = max(self._evicted_at, end)
+            else:
+                self._back_at[key] = end
+            self.copies.append((str(action), start, end))
+        return run
+
+    def _record_posts(self, comm) -> None:
+        """Record when each send and receive is posted, per peer in order (k-th send on a link = k-th receive)."""
+        post, post_receive = comm.post, comm.post_receive
+
+        def posting(sends, recvs):
+            now = _now()
+            self.posts.extend([("send", peer, now) for _, peer, _ in sends] + [("recv", peer, now) for _, peer in recvs])
+            return post(sends, recvs)
+
+        def posting_receive(buffer, peer):
+            self.posts.append(("recv", peer, _now()))
+            return post_receive(buffer, peer)
+
+        comm.post, comm.post_receive = posting, posting_receive
+
+
+_EMULATED: dict = {}
+
+
+def tiny_config(layers: int):
+    from megatron_pp.models.presets import get_preset
+
+    return dataclasses.replace(get_preset("gpt-tiny"), num_layers=layers, hidden_size=16, num_attention_heads=2,
+                               num_query_groups=None, ffn_hidden_size=32, seq_length=8, max_position_embeddings=8,
+                               vocab_size=64)
+
+
+def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) -> list[list[dict]]:
+    """Run `steps` emulated steps of `schedule` under each cost model on this rank; per cost model and step,
+    this rank's records (times on the host's monotonic clock). The pipeline is built once per schedule."""
+    from megatron_pp.core import comm
+    from megatron_pp.data.mock import MockData
+    from megatron_pp.training.pipeline import build_pipeline
+
+    state = ctx.parallel_state(1, schedule.num_ranks)
+    key = (schedule.name, schedule.num_ranks, schedule.num_microbatches)
+    if key not in _EMULATED:
+        _EMULATED.clear()  # one pipeline at a time: a grid builds many
+        pipe = build_pipeline(tiny_config(schedule.num_stages), state, schedule, micro_batch_size=1, seed=1,
+                              trace=True)
+        config = pipe.config
+        data = MockData(1, config.seq_length, config.vocab_size, 1, schedule.num_microbatches, 1)
+        _EMULATED[key] = (pipe, Emulator(pipe.executor, pipe.schedule, costs[0]),
+                          data.step_microbatches(0, 0, state.device))
+    pipe, emulator, batches = _EMULATED[key]
+    tokens = float(sum(b["loss_mask"].sum() for b in batches))
+    out = []
+    for model in costs:
+        emulator.costs = model
+        out.append([])
+        for _ in range(steps):
+            for chunk in pipe.chunks:
+                for p in chunk.parameters():
+                    p.grad = None
+            emulator.reset()
+            comm.barrier()
+            result = pipe.executor.run(batches, loss_scale=1.0 / tokens)
+            out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
+                            "copies": emulator.copies, "posts": emulator.posts, "load": os.getloadavg()[0]})
+    return out
+
+
+# Parent side ---------------------------------------------------------------------------------------------
+
+
+def step_window(per_rank: list[dict]) -> tuple[float, float]:
+    """(start, end) of one step on the shared clock: from the first compute action's start (the simulator's
+    time 0; ranks leave the barrier before it some milliseconds apart) to the last action's end."""
+    start = min(r["compute"][0][1] for r in per_rank)
+    end = max([r["started"] + e for r in per_rank for _, _, e in r["events"]]
+              + [c[2] for r in per_rank for c in r["copies"]])
+    return start, end
+
+
+def measure(per_rank: list[dict]) -> dict:
+    """Step time, bubble (mean over ranks of (window - busy) / window, busy = the rank's compute net of its
+    waits, as `simulate` defines it) and the tiny model's share of busy time."""
+    start, end = step_window(per_rank)
+    window = end - start
+    busy = [sum(e - s - w for _, s, e, w, _ in r["compute"]) for r in per_rank]
+    own = sum(o for r in per_rank for *_, o in r["compute"])
+    return {"step_s": window, "bubble": sum((window - b) / window for b in busy) / len(busy),
+            "model_share": own / sum(busy), "busy_s": busy}
+
+
+def run_grid(pool, pp: int, names: list[str], microbatches: list[int], costs: dict[str, CostModel], steps: int,
+             log=print) -> list[dict]:
+    """Every (schedule, m) of the grid on one pool of `pp` workers, each built once and run under every cost
+    set in `costs` (name -> model): one warm-up step, then `steps` measured; rows with the median measured
+    step and bubble beside the simulated ones."""
+    rows = []
+    for m in microbatches:
+        for name in names:
+            schedule = family_schedule(name, pp, m)
+            runs = pool.run(worker_emulate, schedule, list(costs.values()), steps + 1, timeout=900)
+            for c, (kind, model) in enumerate(costs.items()):
+                row = compare(schedule, model, [[runs[r][c][k] for r in range(pp)] for k in range(steps + 1)])
+                rows.append({"costs": kind, **row})
+                log(f"{name:>17} p={pp:<2} m={m:<3} {kind}: step {row['measured_step_s']:.3f} s (sim "
+                    f"{row['simulated_step_s']:.3f}, {100 * row['step_error']:+.1f}%)  bubble "
+                    f"{row['measured_bubble']:.3f} (sim {row['simulated_bubble']:.3f})  model "
+                    f"{100 * row['model_share']:.1f}%  load {row['load_average'][1]:.1f}")
+    return rows
+
+
+def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> dict:
+    """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)`."""
+    import statistics
+
+    sim = simulate(schedule, costs)
+    per_step = [measure(step) for step in steps[1:]]
+    step = statistics.median(x["step_s"] for x in per_step)
+    bubble = statistics.median(x["bubble"] for x in per_step)
+    loads = [rank["load"] for s in steps for rank in s[:1]]
+    row = {"pp": schedule.num_ranks, "schedule": schedule.name, "chunks": schedule.num_chunks,
+           "microbatches": schedule.num_microbatches, "measured_step_s": step, "simulated_step_s": sim.makespan,
+           "measured_bubble": bubble, "simulated_bubble": sim.bubble_fraction, "step_error": step / sim.makespan - 1,
+           "bubble_error": (bubble - sim.bubble_fraction) / sim.bubble_fraction if sim.bubble_fraction else None,
+           "steps_s": [x["step_s"] for x in per_step], "bubbles": [x["bubble"] for x in per_step],
+           "model_share": statistics.median(x["model_share"] for x in per_step),
+           "load_average": [min(loads), max(loads)]}
+    row["within_target"] = abs(row["step_error"]) <= 0.05 and (
+        row["bubble_error"] is None or abs(row["bubble_error"]) <= 0.15)
+    return row

@@ -1,0 +1,138 @@
+"""`tools/trace_vs_sim.py --emulate`: the emulated-compute grid (megatron_pp/benchmarks/emulate.py) over pipeline
+sizes, schedules, microbatch counts and cost sets, one worker pool per pipeline size reused for every run of
+that size (spawning 16 processes and importing torch dominates otherwise), and its JSON.
+
+The JSON's `rows` hold, per (pp, schedule, microbatches, costs), the median measured step and bubble over the
+measured steps beside the simulated makespan and bubble of the same lists under the same costs, and whether
+they are within the issue's targets (step within 5%, bubble within 15%, relative). `ratios` are the speed
+claims measured from the same rows: step-time ratios such as zb-h1 / 1f1b at equal (pp, m, costs), beside
+the simulator's. The load average is recorded at the start and end of the grid and per row, because the
+emulation holds only while the ranks are not starved of CPU.
+
+Worked example: `--pp 4 --microbatches 2p --schedules 1f1b --costs equal` runs one row, 1f1b at p = 4,
+m = 8, whose simulated step is 33 units (660 ms at 20 ms a unit) and simulated bubble 9/33 = 0.273.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+from megatron_pp.benchmarks.emulate import FAMILIES, cost_model, family_schedule, run_grid
+from megatron_pp.cli import UsageError, write_json
+
+CLAIMS = [("zb-h1", "1f1b"), ("zb-v", "interleaved-1f1b"), ("v-half", "1f1b"), ("gis", "interleaved-1f1b")]
+"""(schedule, baseline) pairs whose step-time ratio the papers claim (docs/schedules.md)."""
+COST_KINDS = ("equal", "split")
+
+
+@dataclass(frozen=True)
+class EmulationPlan:
+    grid: list[tuple[int, list[int]]]  # (pp, microbatch counts)
+    names: list[str]
+    costs: list[str]
+
+
+def _microbatches(text: str, pp: int) -> list[int]:
+    """'2p,4p' at pp = 8 -> [16, 32]; plain integers stay."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            out.append(int(item[:-1]) * pp if item.endswith("p") else int(item))
+        except ValueError:
+            raise UsageError(f"--microbatches {text!r}: items are integers or Np (N times --pp)") from None
+    if not out or min(out) < 1:
+        raise UsageError(f"--microbatches {text!r}: give at least one positive count")
+    return out
+
+
+def plan_emulation(args, pps: list[int], names: list[str]) -> EmulationPlan:
+    """Check every flag and build every list of the grid (ValueError/UsageError on bad input)."""
+    if names == ["all"]:
+        names = list(FAMILIES)
+    missing = [n for n in names if n not in FAMILIES]
+    if missing:
+        raise UsageError(f"--schedules: {missing[0]!r} has no emulated variant; known: {', '.join(FAMILIES)}")
+    costs = [c.strip() for c in args.costs.split(",") if c.strip()]
+    if not costs or any(c not in COST_KINDS for c in costs):
+        raise UsageError(f"--costs {args.costs!r}: comma-separated from {', '.join(COST_KINDS)}")
+    if not args.unit_ms > 0:
+        raise UsageError(f"--unit-ms must be > 0, got {args.unit_ms}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if min(pps) < 2:
+        raise UsageError(f"--pp: pipeline sizes must be >= 2, got {min(pps)}")
+    text = "2p,4p" if args.microbatches == "8" else args.microbatches  # the default of the trace mode
+    grid = [(pp, _microbatches(text, pp)) for pp in pps]
+    for pp, counts in grid:
+        for m in counts:
+            for name in names:
+                family_schedule(name, pp, m)  # raises ValueError naming the schedule's rule
+    return EmulationPlan(grid, names, costs)
+
+
+def speed_ratios(rows: list[dict]) -> list[dict]:
+    """Measured and simulated step-time ratios of each claim's pair at equal (pp, m, costs)."""
+    index = {(r["pp"], r["microbatches"], r["costs"], r["schedule"]): r for r in rows}
+    out = []
+    for (pp, m, kind, name), row in sorted(index.items()):
+        for schedule, baseline in CLAIMS:
+            base = index.get((pp, m, kind, baseline))
+            if name == schedule and base is not None:
+                out.append({"pp": pp, "microbatches": m, "costs": kind, "ratio": f"{schedule} / {baseline}",
+                            "measured": row["measured_step_s"] / base["measured_step_s"],
+                            "simulated": row["simulated_step_s"] / base["simulated_step_s"]})
+    return out
+
+
+def run_emulation(args, plan: EmulationPlan, argv: list[str]) -> int:
+    import torch
+
+    from megatron_pp.core.local_world import WorkerPool
+
+    unit = args.unit_ms / 1e3
+    load_start, started = os.getloadavg(), time.time()
+    rows: list[dict] = []
+    for pp, counts in plan.grid:
+        pool = WorkerPool(pp)
+        try:
+            rows += run_grid(pool, pp, plan.names, counts, {kind: cost_model(kind, unit) for kind in plan.costs},
+                             args.steps, log=lambda line: print(line, flush=True))
+            if args.json:  # partial results survive an interrupted grid
+                write_json(args.json, _report(args, argv, rows, load_start, started, torch.__version__))
+        finally:
+            pool.close()
+    report = _report(args, argv, rows, load_start, started, torch.__version__)
+    for r in report["ratios"]:
+        print(f"{r['ratio']:>27} p={r['pp']:<2} m={r['microbatches']:<3} {r['costs']}: measured "
+              f"{r['measured']:.3f}  simulated {r['simulated']:.3f}")
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def _report(args, argv, rows, load_start, started, torch_version) -> dict:
+    within = [r for r in rows if r["within_target"]]
+    return {
+        "command": "python tools/trace_vs_sim.py " + " ".join(argv),
+        "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, 1 thread per rank",
+        "torch": torch_version,
+        "unit_ms": args.unit_ms,
+        "steps_measured": args.steps,
+        "model": "gpt-tiny, 1 layer per chunk, hidden 16, 2 heads, ffn 32, seq 8, vocab 64, micro-batch 1",
+        "cost_sets": {"equal": "F = 1, B = 2, BI = BW = 1 unit per chunk",
+                      "split": "F = 1, B = 2, BI and BW from docs/results/split_backward_cpu.json (F = B/2 ours)"},
+        "transfers": "OFFLOAD/RELOAD/EVICT/LOAD: CostModel.transfer_time (the schedule's offload_time, default "
+                     "0.25 of the chunk's forward) on the simulator's lanes; p2p: gloo's own, simulator latency 0",
+        "definitions": "measured step: first compute action's start to the last action's end, over all ranks, on "
+                       "the host's monotonic clock; bubble: mean over ranks of (step - busy) / step, busy = compute "
+                       "time net of waits; medians over the measured steps; targets |step error| <= 5%, "
+                       "|bubble error| <= 15% (relative)",
+        "load_average_start": list(load_start),
+        "load_average_end": list(os.getloadavg()),
+        "wall_s": time.time() - started,
+        "rows": rows,
+        "within_target": f"{len(within)} of {len(rows)}",
+        "ratios": speed_ratios(rows),
+    }
