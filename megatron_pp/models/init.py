@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from megatron_pp.core.host_read import has_data
 from megatron_pp.core.tensor_parallel import param_is_partitioned, tp_rank, tp_size
 from megatron_pp.models.config import TransformerConfig
 
@@ -180,6 +181,8 @@ def init_stage_weights(model: torch.nn.Module, seed: int) -> None:
     Constant parameters are filled where they live; normal ones draw only this rank's elements
     (`initial_shard`) on CPU, the only place the defining generator runs, and are copied once.
     """
+    if not all(has_data(p) for p in model.parameters()):
+        return  # fake or meta parameters (the dry run, `training.dry_run`): there are no values to set
     size, rank = tp_size(model.tp_group), tp_rank(model.tp_group)
     for name, param in model.named_parameters():
         rule = _init_rule(model.config, name)
