@@ -258,6 +258,20 @@ def farthest_stash_trend(data: dict) -> str:
     worst = max(rows, key=lambda t: abs(t["error"]))
     return f"{pct(abs(worst['error']), 2)} ({worst['trend']}, {pct(worst['error'], 2, sign=True)})"
 
+def mutation_table(data: dict) -> str:
+    """dev/mutation_check.py's headline sample: mutants, killed when it ran (time-outs among them),
+    equivalent survivors, the score killed / non-equivalent, and what became of the survivors since."""
+    survivors = data["survivors"]
+    later = sum(1 for s in survivors if "killed_by" in s and "equivalent" not in s)
+    open_ = len(survivors) - later - data["equivalent"]
+    fate = f"{later} killed by a test written since" + (f", {open_} open" if open_ else "")
+    return table(["sample", "mutants", "killed when it ran (by time-out)", "equivalent",
+                  "score (killed / non-equivalent)", "non-equivalent survivors"],
+                 [[data["command"].split("--seed ")[1].split()[0].join(["seed ", ""]), str(data["total"]),
+                   f"{data['killed']} ({data['timeouts']})", str(data["equivalent"]),
+                   f"**{data['killed']} / {data['non_equivalent']} = {pct(data['killed'] / data['non_equivalent'])}**",
+                   fate]])
+
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -283,6 +297,7 @@ RENDERERS: dict = {
     "trends-layered": ("docs/results/reproduce_quick.json",
                        trends_of("breadth-first", lambda trend: not trend.startswith("breadth-first"))),
     "stash-trends-farthest": ("docs/results/reproduce_quick.json", farthest_stash_trend),
+    "mutation-headline": ("docs/results/mutation.json", mutation_table),
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
