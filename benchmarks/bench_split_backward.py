@@ -48,7 +48,7 @@ def build(hidden: int, seq: int, layers: int, device: torch.device, dtype: torch
                                  hidden_dropout=0.0, attention_dropout=0.0)
     stack = [TransformerLayer(config, None, False, RNGTracker(), device).to(device=device, dtype=dtype)
              for _ in range(layers)]
-    rotary = rotary_cos_sin(torch.arange(seq, device=device).expand(1, seq), config.head_dim, config.rotary_base)
+    rotary = rotary_cos_sin(torch.arange(seq, device=device).expand(1, seq), config.rotary_dim, config.rotary_base)
     return config, stack, rotary
 
 

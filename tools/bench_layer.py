@@ -104,7 +104,7 @@ def measure(layer: TransformerLayer, config: TransformerConfig, b: int, device: 
     rotary = None
     if config.position_embedding_type == "rope":
         positions = torch.arange(s, device=device).expand(b, s)
-        rotary = rotary_cos_sin(positions, config.head_dim, config.rotary_base)
+        rotary = rotary_cos_sin(positions, config.rotary_dim, config.rotary_base)
     x = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
     store = ActivationStore(list(layer.parameters()))
     with store.stash(0):

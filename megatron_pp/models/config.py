@@ -61,6 +61,12 @@ class TransformerConfig:
     """'learned_absolute' (GPT: a trained table added to the embedding) or 'rope' (LLaMA: rotary)."""
     rotary_base: float = 10000.0
     """RoPE frequency base theta (LLaMA-2: 10000, LLaMA-3: 500000)."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels that RoPE rotates (Megatron-LM's partial rotary): the first
+    int(head_dim * this) channels, with frequencies base^(-2i/that width); the rest pass unrotated."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm scales (Megatron-LM's layernorm-1p): each norm's weight w is stored and
+    initialised as 0 and applied as 1 + w, so weight decay pulls the scale towards 1, not 0."""
     add_bias_linear: bool = True
     """Biases in the attention and MLP linear layers (GPT yes, LLaMA no)."""
     untie_embeddings_and_output_weights: bool = False
@@ -84,6 +90,11 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that RoPE rotates: int(head_dim * rotary_percent), e.g. 64 of 128 at 0.5."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def ffn_size(self) -> int:
@@ -159,6 +170,11 @@ class TransformerConfig:
             raise ValueError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
         if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
             raise ValueError(f"RoPE needs an even head dimension, got --kv-channels {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2 != 0):
+            raise ValueError(f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of {self.head_dim} "
+                             "channels per head; RoPE needs an even number >= 2")
         if self.position_embedding_type == "learned_absolute" and self.num_positions < self.seq_length:
             raise ValueError(
                 f"--max-position-embeddings {self.num_positions} is smaller than --seq-length {self.seq_length}"

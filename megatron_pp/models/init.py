@@ -28,8 +28,8 @@ def _init_rule(config: TransformerConfig, name: str) -> float | str:
     """"zeros", "ones", or the std of the normal init of parameter `name` (see `initial_value`)."""
     if name.endswith(".bias"):
         return "zeros"
-    if "layernorm" in name:
-        return "ones"
+    if "layernorm" in name:  # a zero-centred scale (--apply-layernorm-1p) starts at 0 and applies as 1 + 0
+        return "zeros" if config.apply_layernorm_1p else "ones"
     std = config.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std /= math.sqrt(2.0 * config.num_layers)

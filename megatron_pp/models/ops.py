@@ -28,9 +28,13 @@ class Norm(nn.Module):
     only the input and recomputes the rest in the backward.
     """
 
+    one_plus = False
+    """Apply 1 + weight as the scale (--apply-layernorm-1p; the stored weight is zero-centred)."""
+
     def __init__(self, config: TransformerConfig, sequence_parallel: bool, device: Optional[torch.device]):
         super().__init__()
         self.eps = config.norm_epsilon
+        self.one_plus = config.apply_layernorm_1p  # the scale applied is 1 + weight (--apply-layernorm-1p)
         shape = (config.hidden_size,)
         self.weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
         if config.normalization == "LayerNorm":
@@ -43,16 +47,19 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 and torch.is_grad_enabled():
-            return _LowPrecisionNorm.apply(x, self.weight, self.bias, self.eps)
-        return norm_fp32(x, self.weight, self.bias, self.eps)
+            return _LowPrecisionNorm.apply(x, self.weight, self.bias, self.eps, self.one_plus)
+        return norm_fp32(x, self.weight, self.bias, self.eps, self.one_plus)
 
 
-def norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """RMSNorm (`bias` None) or LayerNorm of `x` over its last dim in fp32, returned in `x`'s dtype."""
+def norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+              one_plus: bool = False) -> torch.Tensor:
+    """RMSNorm (`bias` None) or LayerNorm of `x` over its last dim in fp32, returned in `x`'s dtype.
+    With `one_plus` the scale is 1 + weight, added in fp32 (a stored weight of 0.02 scales by 1.02)."""
+    scale = weight.float() + 1.0 if one_plus else weight.float()
     if bias is None:
-        y = F.rms_norm(x.float(), weight.shape, weight.float(), eps)
+        y = F.rms_norm(x.float(), weight.shape, scale, eps)
     else:
-        y = F.layer_norm(x.float(), weight.shape, weight.float(), bias.float(), eps)
+        y = F.layer_norm(x.float(), weight.shape, scale, bias.float(), eps)
     return y.to(x.dtype)
 
 
@@ -65,10 +72,11 @@ class _LowPrecisionNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        ctx.eps = eps
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                one_plus: bool) -> torch.Tensor:
+        ctx.eps, ctx.one_plus = eps, one_plus
         ctx.save_for_backward(x, weight, bias)
-        return norm_fp32(x, weight, bias, eps)
+        return norm_fp32(x, weight, bias, eps, one_plus)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -76,13 +84,14 @@ class _LowPrecisionNorm(torch.autograd.Function):
                   for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         with torch.enable_grad():
-            y = norm_fp32(*inputs, ctx.eps)
+            y = norm_fp32(*inputs, ctx.eps, ctx.one_plus)
         found = iter(torch.autograd.grad(y, wanted, grad))
-        return (*(next(found) if t is not None and t.requires_grad else None for t in inputs), None)
+        return (*(next(found) if t is not None and t.requires_grad else None for t in inputs), None, None)
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> Rotary:
-    """cos and sin of RoPE's angles `position * base^(-2i/d)` for positions `[b, s]`, as `[s, b, 1, d/2]`."""
+    """cos and sin of RoPE's angles `position * base^(-2i/d)` for positions `[b, s]`, as `[s, b, 1, d/2]`.
+    `head_dim` is the rotated width d: `config.rotary_dim` (the whole head unless --rotary-percent < 1)."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
     angles = position_ids.t().float().unsqueeze(-1) * inv_freq  # [s, b, d/2]
     return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
@@ -96,6 +105,9 @@ def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     (about nine elementwise kernels op by op, one after `use_fused_rotary`) and keeps only cos and sin.
     """
     cos, sin = rotary
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:  # partial rotary (--rotary-percent): the last channels pass unrotated
+        return torch.cat((apply_rotary(x[..., :rotated], rotary), x[..., rotated:]), dim=-1)
     if torch.is_grad_enabled() and not (cos.requires_grad or sin.requires_grad):
         return _Rotary.apply(x, cos, sin)
     return rotate(x, cos, sin)

@@ -135,6 +135,10 @@ class StageModel(nn.Module):
                     config.hidden_size, config.padded_vocab_size(tp), tp_group=tp_group, bias=False,
                     sequence_parallel=sequence_parallel, params_dtype=config.params_dtype, device=device,
                 )
+        # Megatron-LM's tag for --decoupled-lr: the word embedding (either copy) and the output layer's weight.
+        for module in (self.embedding.word_embeddings if self.embedding is not None else None, self.output_layer):
+            if module is not None:
+                module.weight.is_embedding_or_output_parameter = True
         if seed is not None:
             init_stage_weights(self, seed)
 
@@ -150,7 +154,7 @@ class StageModel(nn.Module):
                                     sequence_parallel=self.sequence_parallel, rng_tracker=self.rng_tracker)
         rotary = None
         if self.config.position_embedding_type == "rope":
-            rotary = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
+            rotary = rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rotary_base)
         hidden = self._run_layers(hidden, rotary, batch.get("cu_seqlens"), batch.get("max_seqlen"))
         if not self.spec.has_head:
             return hidden

@@ -26,6 +26,7 @@ from megatron_pp.schedules.schedule_file import FILE_SCHEDULE_OPTIONS
 from megatron_pp.training.config_files import ConfigFileError, expand_config_file
 from megatron_pp.training.errors import agree_on_usage_errors
 from megatron_pp.training.flags import ArgumentError, build_parser
+from megatron_pp.training.megatron_compat import MEGATRON_ATTENTION_BACKENDS, check_megatron_compat
 from megatron_pp.training.job_schedule import (build_job_schedule, fixed_placement, job_schedule_options, num_chunks,
                                                schedule_source, schedule_takes_offload_time, virtual_stages_given)
 
@@ -60,6 +61,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: Optional[int] =
         overrides["vocab_size"] = vocab_size
     if args.use_flash_attn:
         overrides["attention_backend"] = "flash"
+    elif overrides.get("attention_backend") in MEGATRON_ATTENTION_BACKENDS:  # Megatron-LM's names for its kernels
+        overrides["attention_backend"] = MEGATRON_ATTENTION_BACKENDS[overrides["attention_backend"]]
     overrides["params_dtype"] = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if args.model_preset:
         return dataclasses.replace(get_preset(args.model_preset), **overrides)
@@ -88,8 +91,6 @@ def _check_parallel_and_batch(args: argparse.Namespace, world: int) -> list[str]
     errors = _at_least(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
                               "global_batch_size"), 1)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if args.sequence_parallel and tp == 1:
-        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if tp >= 1 and pp >= 1:
         if world % (tp * pp) != 0:
             errors.append(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -428,6 +429,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,
     errors += _check_checkpointing_and_exit(args)
     errors += _check_faults(args)
     errors += _check_evaluation_and_logging(args)
+    errors += check_megatron_compat(args)
     model_errors, config = _check_model(args)
     schedule_errors, schedule = _check_schedule(args, config, world)
     errors += schedule_errors
@@ -470,6 +472,8 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None) -> a
         args.global_batch_size = args.micro_batch_size * dp
     if args.data_parallel_sharding_strategy != "no_shard":  # every sharding strategy shards the optimizer
         args.use_distributed_optimizer = True
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:  # Megatron-LM's rule: nothing to split
+        args.sequence_parallel, args.sequence_parallel_at_tp1 = False, True
     if args.train_iters is None:
         args.train_iters = args.train_samples // args.global_batch_size
     return args

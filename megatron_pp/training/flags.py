@@ -18,13 +18,14 @@ import typing
 from typing import Any, Sequence
 
 from megatron_pp.data.builder import add_data_args
+from megatron_pp.training.megatron_compat import add_megatron_compat_args
 from megatron_pp.models.config import TransformerConfig, flag
 from megatron_pp.schedules.plugins import add_plugin_flag
 from megatron_pp.schedules.registry import schedule_options
 
 # Fields that are not set by their own generated flag (Megatron spells them differently, or they are
 # derived from precision flags).
-_SPECIAL_FIELDS = {"add_bias_linear", "untie_embeddings_and_output_weights", "params_dtype"}
+_SPECIAL_FIELDS = {"add_bias_linear", "untie_embeddings_and_output_weights", "params_dtype", "apply_layernorm_1p"}
 
 
 def _field_docs() -> dict[str, str]:
@@ -56,6 +57,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="No biases in the attention and MLP linear layers (LLaMA).")
     group.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
                        action="store_true", default=None, help="Separate output layer instead of the tied embedding.")
+    group.add_argument("--apply-layernorm-1p", dest="apply_layernorm_1p", action="store_true", default=None,
+                       help=docs["apply_layernorm_1p"])
     group.add_argument("--swiglu", dest="activation", action="store_const", const="swiglu",
                        help="SwiGLU MLP (same as --activation swiglu).")
     group.add_argument("--group-query-attention", action="store_true",
@@ -99,6 +102,7 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     add_parallel_args(parser)
     add_training_args(parser)
     add_run_args(parser)
+    add_megatron_compat_args(parser)
     return parser
 
 

@@ -89,6 +89,9 @@ class LRSchedule:
     """Shape of WSD's final decay (--lr-wsd-decay-style)."""
     by_samples: bool = False
     """Positions count consumed samples instead of iterations."""
+    decoupled: Optional["LRSchedule"] = None
+    """The word embedding's and output layer's schedule under --decoupled-lr: this one with its peak and
+    floor replaced (--decoupled-lr, --decoupled-min-lr or --min-lr), as Megatron-LM's parameter groups."""
 
     def __post_init__(self) -> None:
         unit = "samples" if self.by_samples else "iters"
@@ -138,16 +141,31 @@ class LRSchedule:
         by_samples = bool(sample_flags) or bool(_given(args, "train_samples") and not _given(args, "train_iters"))
         unit = "samples" if by_samples else "iters"
         length = _given(args, "train_samples" if by_samples else "train_iters")
-        return cls(
+        decay_steps = _given(args, f"lr_decay_{unit}") or length
+        warmup_steps = _given(args, f"lr_warmup_{unit}") or 0
+        if _given(args, "lr_warmup_fraction") is not None and decay_steps is not None:
+            # Megatron-LM: warm-up = fraction x decay length, in the schedule's unit and not rounded
+            # (.001 of 430000 iterations: 430.0; of 1000 samples: 1.0).
+            warmup_steps = args.lr_warmup_fraction * decay_steps
+        main = cls(
             lr=args.lr,
             min_lr=_given(args, "min_lr") or 0.0,
             decay_style=_given(args, "lr_decay_style") or "constant",
-            warmup_steps=_given(args, f"lr_warmup_{unit}") or 0,
-            decay_steps=_given(args, f"lr_decay_{unit}") or length,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
             wsd_decay_steps=_given(args, f"lr_wsd_decay_{unit}") or 0,
             wsd_decay_style=_given(args, "lr_wsd_decay_style") or "exponential",
             by_samples=by_samples,
         )
+        if _given(args, "decoupled_lr") is None:
+            return main
+        floor = _given(args, "decoupled_min_lr")
+        decoupled = dataclasses.replace(main, lr=args.decoupled_lr, min_lr=main.min_lr if floor is None else floor)
+        return dataclasses.replace(main, decoupled=decoupled)
+
+    def decoupled_rate(self, iteration: int, consumed_samples: Optional[int] = None) -> Optional[float]:
+        """The embedding and output layer's LR at this step under --decoupled-lr, else None."""
+        return None if self.decoupled is None else self.decoupled.learning_rate(iteration, consumed_samples)
 
     def learning_rate(self, iteration: int, consumed_samples: Optional[int] = None) -> float:
         """LR of optimizer step `iteration` (1-based); sample-based schedules read `consumed_samples`
@@ -221,6 +239,9 @@ class OptimizerConfig:
     once per breadth-first group, instead of when the hooks see them complete (supersedes overlap)."""
     data_parallel_sharding_strategy: str = "no_shard"
     """no_shard, optim (the distributed optimizer) or optim_grads_params (also the weights: ZeRO-3)."""
+    decoupled_lr: Optional[float] = None
+    """--decoupled-lr: the word embedding and output layer step in groups of their own, whose LR
+    `step(lr, decoupled_lr)` sets apart (the parameters tagged `is_embedding_or_output_parameter`)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -419,10 +440,14 @@ class TrainingOptimizer:
                 ShardedMainParams(self.reducer) if config.use_distributed_optimizer
                 else ReplicatedMainParams(self.reducer, params)
             )
-        # Both groups always exist (possibly empty on a shard), so state dicts line up across ranks.
+        # Every group always exists (possibly empty on a shard), so state dicts line up across ranks.
+        owners = [piece.param for piece in self.main.pieces] if hasattr(self.main, "pieces") else params
+        apart = [config.decoupled_lr is not None and getattr(p, "is_embedding_or_output_parameter", False)
+                 for p in owners]
         groups = [
-            {"params": [m for m, d in zip(self.main.params, self.main.decay) if d]},
-            {"params": [m for m, d in zip(self.main.params, self.main.decay) if not d], "weight_decay": 0.0},
+            {"params": [m for m, d, a in zip(self.main.params, self.main.decay, apart) if d == decay and a == dec],
+             "decoupled": dec, **({} if decay else {"weight_decay": 0.0})}
+            for dec in ((False, True) if config.decoupled_lr is not None else (False,)) for decay in (True, False)
         ]
         self.optimizer, self.implementation = _make_inner_optimizer(groups, config, params[0].device)
         self.scaler: Optional[LossScaler] = None
@@ -439,8 +464,11 @@ class TrainingOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepOutcome:
-        """Check, clip and apply the reduced gradients with learning rate `lr` (after `reducer.finish()`)."""
+    def step(self, lr: float, decoupled_lr: Optional[float] = None) -> StepOutcome:
+        """Check, clip and apply the reduced gradients with learning rate `lr` (after `reducer.finish()`);
+        the embedding and output layer take `decoupled_lr` when the optimizer was built with --decoupled-lr."""
+        if (decoupled_lr is None) != (self.config.decoupled_lr is None):
+            raise ValueError("step(decoupled_lr=...) is given exactly when the optimizer has --decoupled-lr groups")
         if not self.reducer.grads_reduced:
             raise RuntimeError("TrainingOptimizer.step() before reducer.finish(): the gradients are not reduced")
         scaled_norm, found_inf = self.reducer.norm_and_found_inf()
@@ -458,7 +486,7 @@ class TrainingOptimizer:
             self.reducer.scale_(factor)
         self.main.attach_grads()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group.get("decoupled") else lr
         self.optimizer.step()
         self.main.copy_to_model()
         return StepOutcome(skipped=False, grad_norm=grad_norm, loss_scale=reported_scale)

@@ -46,6 +46,7 @@ from megatron_pp.training.errors import EXIT_FAILURE, agree_on_usage_errors, rep
 from megatron_pp.training.faults import FaultPlan
 from megatron_pp.training.flops import iteration_flops, peak_tflops
 from megatron_pp.training.layered import connect_optimizer, schedule_recompute
+from megatron_pp.training.megatron_compat import accepted_without_effect
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.offload_probe import OffloadProbe, measure_offload_time
 from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, build_optimizer
@@ -161,6 +162,9 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
             f"schedule {schedule.name} (m={schedule.num_microbatches}, v={schedule.num_chunks}), "
             f"{config.num_parameters(state.tp_size) / 1e6:.2f}M parameters"
         )
+        compat_line = accepted_without_effect(args)  # Megatron-LM flags that tune only its own machinery
+        if compat_line is not None:
+            trainer.log(compat_line)
         trainer.resume()
         if data.vocab_size is not None and trainer.progress.iteration < args.train_iters:
             # A dataset from another tokenizer is refused here, before any output file exists.

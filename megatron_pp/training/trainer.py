@@ -115,10 +115,11 @@ class Trainer:
         microbatches = self.data.microbatches(self.data.train, self.progress.consumed_samples, state.dp_rank,
                                               state.device)
         iteration = self.progress.iteration + 1
-        lr = self.lr_schedule.learning_rate(iteration, self.progress.consumed_samples + args.global_batch_size)
+        position = self.progress.consumed_samples + args.global_batch_size
+        lr = self.lr_schedule.learning_rate(iteration, position)
         result, tokens = train_step(pipe, microbatches, self.optimizer)
         self.faults.after_backward(iteration, lambda: poison_first_gradient(self.optimizer.reducer.held_pieces()))
-        outcome = self.optimizer.step(lr)
+        outcome = self.optimizer.step(lr, self.lr_schedule.decoupled_rate(iteration, position))
         metrics = step_metrics(pipe, result, tokens)
         step_time = time.perf_counter() - start
         self.progress.iteration += 1
