@@ -272,6 +272,45 @@ def mutation_table(data: dict) -> str:
                    f"**{data['killed']} / {data['non_equivalent']} = {pct(data['killed'] / data['non_equivalent'])}**",
                    fate]])
 
+def soak_table(data: dict) -> str:
+    """benchmarks/soak.py: per schedule, each rank's RSS at the first step, after warm-up and at the last
+    step, the steepest slope within a segment and the growth per resume, ranks side by side ('0 / 1')."""
+    rows = []
+    for name, run in data["schedules"].items():
+        ranks = run["ranks"]
+        both = lambda key, places: " / ".join(num(r[key], places) for r in ranks)  # noqa: E731
+        rows.append([name, " / ".join(str(i) for i in range(len(ranks))), both("rss_first_mb", 1),
+                     both("rss_after_warmup_mb", 1), both("rss_last_mb", 1), both("slope_kb_per_step", 1),
+                     both("growth_per_resume_kb", 0)])
+    return table(["Schedule", "Rank", "RSS first step (MB)", "after warm-up (MB)", "last step (MB)",
+                  "slope within segments (KB/step)", "growth per resume (KB)"], rows)
+
+def planner_validation_table(data: dict) -> str:
+    """tools/validate_planner.py: predicted against measured step (median, min–max over iterations) with the
+    error predicted / measured − 1 ('+210.9%'), and the stash error per pipeline rank ('+0.00% +0.00%')."""
+    rows = []
+    for row in data["rows"]:
+        stash = " ".join(f"{p / m - 1:+.2%}" for p, m in zip(row["predicted_stash_bytes"], row["measured_stash_bytes"]))
+        if row["measured_step_s"] is None:
+            measured, error = f"memory only ({len(row['measured_stash_bytes'])} processes on 2 cores)", "—"
+        else:
+            low, high = row["measured_step_s_range"]
+            measured = f"{num(row['measured_step_s'], 3)} ({num(low)}–{num(high)})"
+            error = f"{row['predicted_step_s'] / row['measured_step_s'] - 1:+.1%}"
+        rows.append([row["configuration"], num(row["predicted_step_s"], 3), measured, error, stash])
+    return table(["configuration", "predicted step s", "measured step s (min–max)", "error",
+                  "stash error per pipeline rank"], rows)
+
+def offload_table(reports: list) -> str:
+    """tools/plot_schedule.py --compare interleaved-1f1b,gis,gis-h,po-h,po-f (p = 4, m = 8, v = 4): rank 0's
+    simulated peak of device-resident stashes, as a share of interleaved 1F1B's (16 / 19 -> '84%'), its
+    peak in host memory and the makespan."""
+    base = reports[0]["peak_stash"][0]
+    rows = [[f"`{r['schedule']}`", str(r["peak_stash"][0]), pct(r["peak_stash"][0] / base, 0),
+             str(r["peak_parked"][0]), num(r["makespan"], 0)] for r in reports]
+    return table(["Schedule", "rank-0 peak, simulated", f"of {reports[0]['schedule']}",
+                  "in host memory (simulated peak)", "makespan (F = BI = BW = 1)"], rows)
+
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -298,6 +337,9 @@ RENDERERS: dict = {
                        trends_of("breadth-first", lambda trend: not trend.startswith("breadth-first"))),
     "stash-trends-farthest": ("docs/results/reproduce_quick.json", farthest_stash_trend),
     "mutation-headline": ("docs/results/mutation.json", mutation_table),
+    # soak: registered with its JSON (benchmarks/soak.py running)
+    "planner-validation": ("docs/results/planner_validation.json", planner_validation_table),
+    "pipeoffload-sim": ("docs/results/pipeoffload_sim_p4_m8.json", offload_table),
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
