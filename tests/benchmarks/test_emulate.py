@@ -1,0 +1,135 @@
+"""Emulated compute (megatron_pp/benchmarks/emulate.py): orderings and causality of short emulated runs at p = 4,
+never wall-clock targets. Each run is a real executor over gloo with every compute action sleeping 20 ms a
+unit; what is asserted holds on any machine load (a bound that involves time is one whole action wide)."""
+from collections import defaultdict
+
+import pytest
+
+from megatron_pp.benchmarks.emulate import Emulator, cost_model, family_schedule, measure, worker_emulate
+from megatron_pp.schedules.ir import Op
+from megatron_pp.schedules.simulate import CostModel, simulate
+from tests.dist import run_distributed
+
+UNIT_S = 0.02
+
+
+def _run(name: str, m: int, unit_s: float = UNIT_S) -> tuple:
+    schedule = family_schedule(name, 4, m)
+    costs = cost_model("equal", unit_s)
+    runs = run_distributed(4, worker_emulate, schedule, [costs], 2)
+    return schedule, [runs[r][0][1] for r in range(4)]  # the second step (the first builds and warms up)
+
+
+def _messages(schedule, step):
+    """Per message: (send post, receive post, consumer's compute record) from the lists and the records."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for rank, record in enumerate(step):
+        for kind, peer, when in record["posts"]:
+            (sends if kind == "send" else recvs)[(rank, peer) if kind == "send" else (peer, rank)].append(when)
+    compute = [{label: rec for label, *rec in record["compute"]} for record in step]
+    out = []
+    for rank, actions in enumerate(schedule.actions):
+        k = defaultdict(int)
+        for a in actions:
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                link = (a.peer, rank)
+                consumer = f"{'F' if a.op is Op.RECV_F else ('B' if f'B{a.microbatch}.{a.chunk}' in compute[rank] else 'BI')}" \
+                           f"{a.microbatch}.{a.chunk}"
+                out.append((sends[link][k[link]], recvs[link][k[link]], compute[rank][consumer]))
+                k[link] += 1
+    return out
+
+
+def late_posts(schedule) -> int:
+    """Messages whose receive the executor's rule (the next receive of a link is posted when the list reaches
+    the one before it) posts after the send, on the simulated timeline (equal costs): pure, no timing."""
+    sim = simulate(schedule, CostModel())
+    sends, posts = defaultdict(list), defaultdict(list)
+    for rank, timeline in enumerate(sim.timeline):
+        for a, start, _ in timeline:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                sends[rank, a.peer].append(start)
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                posts[a.peer, rank].append(start)
+    return sum(post > send for link, reached in posts.items()
+               for post, send in zip([0.0] + reached[:-1], sends[link]))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "bpipe", "2bw"])
+@pytest.mark.parametrize("p", [4, 8, 16])
+def test_one_receive_ahead_per_link_is_posted_before_its_send(name, p):
+    """Holds for these lists; interleaved, GIS and looped-bfs post some receives after their send (up to 28
+    units at p = 16, docs/schedules.md "Emulated compute"), which costs nothing while transfers are instant."""
+    assert late_posts(family_schedule(name, p, 2 * p)) == 0
+
+
+@pytest.mark.parametrize("name,m", [("1f1b", 8), ("zb-v", 8)])
+def test_receives_are_posted_before_their_send_and_no_input_is_used_before_it_is_sent(name, m):
+    schedule, step = _run(name, m)
+    messages = _messages(schedule, step)
+    assert len(messages) == sum(a.op in (Op.RECV_F, Op.RECV_B) for acts in schedule.actions for a in acts)
+    for send, recv, (begin, end, waited, own) in messages:
+        # The receive was waiting when the data left (one action of slack for a rank preempted on a busy host).
+        assert recv <= send + UNIT_S
+        assert end >= send  # the consumer finished only after its input was sent (causality)
+    # Each rank ran its compute in list order, every action once.
+    for rank, record in enumerate(step):
+        assert [label for label, *_ in record["compute"]] == [str(a) for a in schedule.actions[rank] if a.is_compute]
+
+
+def test_no_rank_idles_while_its_next_action_is_ready():
+    """A compute action whose input was sent before it began waits at most one action's time (20 ms here; the
+    bound absorbs wake-up latency on a loaded host); one whose input came later starts within that of the send."""
+    unit = UNIT_S
+    schedule, step = _run("zb-h1", 8, unit)
+    for send, _, (begin, end, waited, own) in _messages(schedule, step):
+        if send <= begin:
+            assert waited <= unit
+        else:
+            assert begin + waited <= send + unit
+
+
+def test_stash_copies_finish_before_the_backward_that_needs_them():
+    schedule, step = _run("po-h", 8)
+    offloaded = 0
+    for rank, record in enumerate(step):
+        copies = {label: (start, end) for label, start, end in record["copies"]}
+        compute = {label: (begin, end, waited) for label, begin, end, waited, _ in record["compute"]}
+        for label, (start, end) in copies.items():
+            if not label.startswith("OFFLOAD"):
+                continue
+            offloaded += 1
+            key = label[len("OFFLOAD"):]
+            back_start, back_end = copies["RELOAD" + key]
+            assert end <= back_start  # the copy back starts after the copy out is done, on the one host lane
+            backward = compute.get("B" + key) or compute["BI" + key]
+            assert back_end <= backward[0] + backward[2]  # the backward's work starts after the copy back
+        # Copies on the one host lane never overlap, in the list's order.
+        spans = [(s, e) for _, s, e in record["copies"]]
+        assert all(e1 <= s2 + 1e-9 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        listed = [str(a) for a in schedule.actions[rank] if a.op in (Op.OFFLOAD, Op.RELOAD)]
+        assert [label for label, *_ in record["copies"]] == listed
+    assert offloaded > 0
+
+
+def test_measure_reads_step_and_bubble_from_records():
+    """Two ranks, one 10 s window: rank 0 busy 6 s (a 1 s wait inside), rank 1 busy 4 s -> bubble 0.5."""
+    step = [{"started": 0.0, "events": [("F0.0", 0.0, 10.0)], "copies": [],
+             "compute": [("F0.0", 0.0, 7.0, 1.0, 0.5)]},
+            {"started": 1.0, "events": [("F0.0", 0.0, 5.0)], "copies": [],
+             "compute": [("F0.0", 2.0, 6.0, 0.0, 0.5)]}]
+    measured = measure(step)
+    assert measured["step_s"] == 10.0 and measured["bubble"] == pytest.approx(0.5)
+    assert measured["model_share"] == pytest.approx(0.1)
+
+
+def test_emulator_refuses_nothing_silently():
+    """Every compute and copy handler of an executor is wrapped (a handler left unwrapped would run at the
+    tiny model's speed and hide in the comparison)."""
+    class FakeExecutor:
+        rank, comm = 0, None
+        handlers = {op: (lambda a: None) for op in (Op.F, Op.B, Op.BI, Op.BW, Op.OFFLOAD, Op.RELOAD, Op.EVICT,
+                                                    Op.LOAD)}
+    originals = dict(FakeExecutor.handlers)
+    Emulator(FakeExecutor, family_schedule("1f1b", 2, 2), cost_model("equal", UNIT_S))
+    assert all(FakeExecutor.handlers[op] is not originals[op] for op in originals)
