@@ -76,6 +76,28 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: Optional[int] =
 # Validation -------------------------------------------------------------------------------------------
 
 
+def _dry_run_world(args: argparse.Namespace) -> Optional[int]:
+    """`--dry-run N`: the job is checked as if launched on N ranks (None: not a dry run)."""
+    return getattr(args, "dry_run", None)
+
+
+def _check_dry_run(args: argparse.Namespace) -> list[str]:
+    """--dry-run N needs N >= 1; --dry-run-ranks is `all` or global ranks below N."""
+    world, ranks = _dry_run_world(args), getattr(args, "dry_run_ranks", None)
+    if world is None:
+        return [f"--dry-run-ranks needs --dry-run N"] if ranks is not None else []
+    if world < 1:
+        return [f"--dry-run {world}: the world must have at least one rank"]
+    if ranks is None or ranks == "all":
+        return []
+    try:
+        listed = [int(r) for r in ranks.split(",")]
+    except ValueError:
+        return [f"--dry-run-ranks {ranks!r}: expected 'all' or global ranks such as 0,7,63"]
+    bad = [r for r in listed if not 0 <= r < world]
+    return [f"--dry-run-ranks: rank {bad[0]} is not in a world of {world} (ranks 0..{world - 1})"] if bad else []
+
+
 def _world_size() -> int:
     # An embedding program (tests, notebooks) may have initialised the world already; else the launcher says.
     return comm.world_size() if comm.backend_name() != "none" else read_launch_env().world_size
@@ -421,7 +443,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,
     `world_size` stands in for the launcher's (tools that check a configuration for another job size).
     `this_machine` (default) also checks that this machine has what the flags need (CUDA, flash-attn);
     tools that check a configuration meant for other machines (a cluster's launch script, a plan) pass False."""
-    world = _world_size() if world_size is None else world_size
+    world = _dry_run_world(args) or (_world_size() if world_size is None else world_size)
     errors = _check_parallel_and_batch(args, world)
     errors += _check_length_and_lr(args)
     errors += _check_optimizer_and_precision(args)
@@ -436,7 +458,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,
     errors += _check_sharding(args, schedule)
     errors += model_errors
     errors += _check_flash_precision(args, config)
-    if this_machine:
+    errors += _check_dry_run(args)
+    if this_machine and not _dry_run_world(args):  # a dry run checks a job meant for other machines
         errors += _check_this_machine(args, config)
     seq_length = config.seq_length if config is not None else 1
     errors += check_data_args(data_config_from_args(args, seq_length=seq_length), mock_data=args.mock_data)
@@ -466,7 +489,7 @@ def _check_lr_schedule(args: argparse.Namespace) -> list[str]:
 
 def derive_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Fill in what the flags imply (in place, as Megatron does): the global batch size and train_iters."""
-    world = _world_size() if world_size is None else world_size
+    world = _dry_run_world(args) or (_world_size() if world_size is None else world_size)
     dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp

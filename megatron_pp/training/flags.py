@@ -102,8 +102,22 @@ def build_parser(description: str = "megatron_pp pretraining") -> argparse.Argum
     add_parallel_args(parser)
     add_training_args(parser)
     add_run_args(parser)
+    add_dry_run_args(parser)
     add_megatron_compat_args(parser)
     return parser
+
+
+def add_dry_run_args(parser: argparse.ArgumentParser) -> None:
+    """The dry run (docs/dry_run.md): the job's real code for chosen ranks of a world of N, on fake tensors."""
+    dry = parser.add_argument_group("dry run")
+    dry.add_argument("--dry-run", type=int, default=None, metavar="N",
+                     help="Run the job as if launched on N ranks, on fake tensors and torch's fake process "
+                          "group, one chosen rank after another in this process; print per-rank memory.")
+    dry.add_argument("--dry-run-ranks", default=None, metavar="all|R,R,...",
+                     help="Global ranks to run (default: one per distinct pipeline rank and tp position).")
+    dry.add_argument("--dry-run-json", default=None, metavar="FILE", help="Write one JSON object per rank.")
+    dry.add_argument("--dry-run-device", choices=("cpu", "meta"), default="cpu",
+                     help="Device of the fake tensors: meta also checks every collective's tensors are on it.")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -214,6 +214,10 @@ def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp p
     store = rendezvous_store(launch)
     args = parse_args(argv, description, default_preset,
                       agree=lambda lines: agree_on_usage_errors(lines, store, launch.rank, launch.world_size))
+    if getattr(args, "dry_run", None):  # the job's code on fake tensors, one process (docs/dry_run.md)
+        from megatron_pp.training import dry_run
+
+        sys.exit(dry_run.main(args))
     show_traceback = os.environ.get("MEGATRON_PP_TRACEBACK") == "1"
     watchdog: Optional[Watchdog] = None
 

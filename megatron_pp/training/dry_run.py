@@ -1,0 +1,301 @@
+"""The dry run: the job's real code for chosen ranks of a world of any size, on fake tensors, in one process.
+
+`--dry-run N` runs what `pretrain` runs on one rank -- argument validation (with world size N), the process
+groups (on torch's `fake` backend, whose collectives return at once), the job's schedule and action list,
+`build_pipeline`, the optimizer and its gradient reducer, and two training steps (so Adam's state exists) --
+under `FakeTensorMode`: every tensor has its shape, dtype and device but no storage, autograd runs, and
+nothing is allocated for real. The chosen ranks run one after another; each gets a fresh fake world.
+
+What is counted comes from live storages, not from a formula: `MemoryTracker` sees every operator's
+outputs (a `TorchDispatchMode` above the fake mode), adds each new storage's bytes once (by
+`core.storage.storage_key`) and subtracts them when the storage dies. The saved-activation peak is the
+executor's own store's (`ActivationStore.peak_bytes`), exactly what a real run reports. Parameters,
+gradients (the reducer's buffers) and optimizer state (Adam's moments, fp32 main weights) are the storages
+those objects hold. The total peak is the largest live total, and `peak_at` names the action (or the
+optimizer step) running when it was reached. What the dry run cannot see (allocator rounding, NCCL and
+CUDA context, library workspaces) is listed in docs/dry_run.md.
+
+Worked example: `python pretrain_llama.py --model-preset llama3-70b --tensor-model-parallel-size 8
+--pipeline-model-parallel-size 8 --micro-batch-size 1 --global-batch-size 16 --seq-length 4096 --bf16
+--dry-run 64` runs 8 ranks (one per pipeline rank: the tp positions of a stage hold equal shards).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_pp.core.comm_check import CommEvent, CommWatch
+from megatron_pp.core.grads import unique_parameters
+from megatron_pp.core.parallel_state import ParallelState, RankLayout
+from megatron_pp.core.storage import storage_key
+from megatron_pp.models.recompute import RecomputeConfig
+from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
+from megatron_pp.training.layered import connect_optimizer, schedule_recompute
+from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
+from megatron_pp.training.pipeline import build_pipeline
+from megatron_pp.training.step import train_step
+from megatron_pp.training.step_data import build_config_and_data
+
+
+class DryRunError(ValueError):
+    """The job cannot be dry-run as asked (one line, exit 2)."""
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live bytes of every storage an operator made inside the block, its peak and where the peak fell.
+
+    `where` is set by the caller (the action running); `peak_at` keeps the `where` of the peak. A storage
+    is counted once however many views of it exist, and stops counting when it dies (a weak finalizer: PyTorch
+    keeps one Python object per live storage, so it dies exactly with the storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[int, int]] = {}  # storage_key -> (token, nbytes)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_at = ""
+        self.where = "setup"
+        self.on_peak = None
+        self._token = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self._note(t)
+        return out
+
+    def _note(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage_key(storage)
+        if key in self.live:
+            return  # the same live storage (a view, an in-place result): a dead one's finalizer removed it
+        self._token += 1
+        nbytes = storage.nbytes()
+        self.live[key] = (self._token, nbytes)
+        weakref.finalize(storage, self._freed, key, self._token)
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_at = self.live_bytes, self.where
+            if self.on_peak is not None:
+                self.on_peak()
+
+    def _freed(self, key: int, token: int) -> None:
+        entry = self.live.get(key)
+        if entry is not None and entry[0] == token:
+            del self.live[key]
+            self.live_bytes -= entry[1]
+
+
+def _bytes_of(tensors) -> int:
+    """Bytes of the distinct storages of `tensors`."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class RankReport:
+    """What one simulated rank holds (bytes) and where its peak fell."""
+
+    rank: int
+    pipeline_rank: int
+    tensor_rank: int
+    data_rank: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    stash_peak_bytes: int
+    transient_peak_bytes: int
+    peak_bytes: int
+    peak_at: str
+    seconds: float
+    comm: list[CommEvent] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict:
+        out = asdict(self)
+        out.pop("comm")
+        out["collectives"] = sum(1 for e in self.comm if not e.is_p2p)
+        out["p2p"] = sum(1 for e in self.comm if e.is_p2p)
+        return out
+
+
+def default_ranks(world: int, tp: int, pp: int) -> list[int]:
+    """One global rank per (pipeline rank, tp position) that can differ. Tensor-parallel shards are equal
+    in size on every tp position unless the vocabulary or heads divide unevenly, which validation refuses, so
+    one tp position per pipeline rank stands for all; dp replicas are identical too (their optimizer shards
+    differ by at most one bucket element, which the distributed optimizer pads). Worked example: world 64,
+    tp 8, pp 8 -> the ranks of dp 0, tp 0 on pipeline ranks 0..7."""
+    layout = RankLayout(world, tp, pp)
+    return sorted({min(r for r in range(world) if layout.coords(r).pp == p and layout.coords(r).tp == 0
+                       and layout.coords(r).dp == 0) for p in range(pp)})
+
+
+def chosen_ranks(args: argparse.Namespace) -> list[int]:
+    world = args.dry_run
+    if args.dry_run_ranks in (None, ""):
+        return default_ranks(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if args.dry_run_ranks == "all":
+        return list(range(world))
+    return sorted({int(r) for r in args.dry_run_ranks.split(",")})
+
+
+def _label_actions(executor, tracker: MemoryTracker, step: list[int]) -> None:
+    """Make the tracker name the running action ("step 2, #17 B3.0") for the peak's position."""
+    counter = [0]
+    for op, handler in list(executor.handlers.items()):
+        def labelled(action, run=handler):
+            counter[0] += 1
+            tracker.where = f"step {step[0]}, {action}"
+            run(action)
+        executor.handlers[op] = labelled
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Adam's moments and the fp32 main weights where they are copies (bf16/fp16 models)."""
+    inner = getattr(optimizer, "optimizer", None)
+    found = [t for s in (inner.state.values() if inner is not None else ()) for t in s.values()
+             if isinstance(t, torch.Tensor) and t.numel() > 1]
+    main = getattr(optimizer, "main", None)
+    found += [p for p in getattr(main, "params", []) or []]
+    return found
+
+
+def _not_in(tensors, others) -> list[torch.Tensor]:
+    """`tensors` whose storage is none of `others`' (fp32 models train their parameters as main weights)."""
+    keys = {storage_key(t) for t in others}
+    return [t for t in tensors if storage_key(t) not in keys]
+
+
+def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: int = 2) -> RankReport:
+    """The job's code on global rank `rank` of a world of `args.dry_run`, on fake tensors."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world, started = args.dry_run, time.process_time()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mode = FakeTensorMode()
+        tracker = MemoryTracker()
+        watch = CommWatch(device=device if device.type == "meta" else None)
+        with mode, tracker, watch:
+            state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                        device=device)
+            report = _run(args, state, mode, tracker, steps)
+        report.comm = watch.events
+        report.seconds = time.process_time() - started
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args, state: ParallelState, mode: FakeTensorMode, tracker: MemoryTracker, steps: int) -> RankReport:
+    from megatron_pp.core.tensor_parallel import model_parallel_seed
+
+    model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        config, data = build_config_and_data(args, state)
+        shape = config
+        chunks = num_chunks(args, shape) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
+        schedule = build_job_schedule(args, state.dp_size, chunks)
+        batches_real = data.microbatches(data.train, 0, state.dp_rank, torch.device("cpu"))
+    recompute = schedule_recompute(schedule, RecomputeConfig(
+        args.recompute_granularity, args.recompute_method,
+        (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
+    ) if args.recompute_granularity else None)
+    pipe = build_pipeline(
+        config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
+        sequence_parallel=args.sequence_parallel, recompute=recompute,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding=args.account_for_embedding_in_pipeline_split,
+        account_for_loss=args.account_for_loss_in_pipeline_split,
+    )
+    optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
+    connect_optimizer(pipe.executor, optimizer)
+    batches = [{k: mode.from_tensor(v).to(state.device) if isinstance(v, torch.Tensor) else v
+                for k, v in mb.items()} for mb in batches_real]
+    del batches_real
+    step = [0]
+    _label_actions(pipe.executor, tracker, step)
+    stash_at_peak = [0]
+    tracker.on_peak = lambda: stash_at_peak.__setitem__(0, pipe.executor.store.live_bytes)
+    for step[0] in range(1, steps + 1):
+        train_step(pipe, batches, optimizer)
+        tracker.where = f"step {step[0]}, optimizer"
+        optimizer.step(args.lr)
+    model_params = list(unique_parameters(pipe.chunks))
+    params = _bytes_of(model_params)
+    grads = _bytes_of(b.grad for b in optimizer.reducer.buckets)
+    opt = _bytes_of(_not_in(_optimizer_tensors(optimizer), model_params))
+    persistent = params + grads + opt
+    return RankReport(
+        rank=state.rank, pipeline_rank=state.pp_rank, tensor_rank=state.tp_rank, data_rank=state.dp_rank,
+        parameter_bytes=params, gradient_bytes=grads, optimizer_bytes=opt,
+        stash_peak_bytes=pipe.executor.store.peak_bytes,
+        transient_peak_bytes=max(tracker.peak_bytes - persistent - stash_at_peak[0], 0),
+        peak_bytes=tracker.peak_bytes, peak_at=tracker.peak_at, seconds=0.0)
+
+
+# The command ---------------------------------------------------------------------------------------------
+_COLUMNS = (("rank", "rank"), ("pp", "pipeline_rank"), ("tp", "tensor_rank"), ("params", "parameter_bytes"),
+            ("grads", "gradient_bytes"), ("optimizer", "optimizer_bytes"), ("stash peak", "stash_peak_bytes"),
+            ("transient", "transient_peak_bytes"), ("peak", "peak_bytes"))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    """The per-rank table the command prints (MiB; `peak at` is the action running at the peak)."""
+    head = [name for name, _ in _COLUMNS] + ["peak at"]
+    body = [[str(r[k]) if k in ("rank", "pipeline_rank", "tensor_rank") else _mib(r[k]) for _, k in _COLUMNS]
+            + [r["peak_at"]] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return "\n".join([fmt(head) + "   (MiB)"] + [fmt(b) for b in body])
+
+
+def dry_run(args: argparse.Namespace) -> tuple[list[RankReport], list[str]]:
+    """Run the chosen ranks; the reports and the cross-rank disagreements."""
+    from megatron_pp.training.dry_run_agree import disagreements
+
+    device = torch.device(args.dry_run_device)
+    reports = [run_rank(args, rank, device) for rank in chosen_ranks(args)]
+    return reports, disagreements({r.rank: r.comm for r in reports})
+
+
+def main(args: argparse.Namespace) -> int:
+    """`pretrain_*.py ... --dry-run N`: print the table, write `--dry-run-json`; 0, or 1 when ranks disagree."""
+    if dist.is_initialized():
+        print("error: --dry-run runs in one process: do not launch it with torchrun or srun")
+        return 2
+    reports, problems = dry_run(args)
+    rows = [r.row() for r in reports]
+    print(f"dry run: world {args.dry_run} = tp {args.tensor_model_parallel_size} x pp "
+          f"{args.pipeline_model_parallel_size} x dp {args.dry_run // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)}, "
+          f"schedule {args.pipeline_schedule}, {len(rows)} ranks simulated, fake tensors on {args.dry_run_device}")
+    print(table(rows))
+    for line in problems:
+        print(f"disagreement: {line}")
+    if args.dry_run_json:
+        with open(args.dry_run_json, "w") as f:
+            json.dump({"world": args.dry_run, "ranks": rows, "disagreements": problems}, f, indent=1)
+    return 1 if problems else 0
