@@ -1,0 +1,120 @@
+"""Megatron-LM's own launch scripts, with only the entry point changed: every flag of its llama3 8B (bf16,
+mock data) and GPT-3 175B examples parses, the run starts and trains with the model shrunk by flags
+appended after them, and what cannot run here is refused in one line (fp8, context parallelism, the
+batch-size ramp-up)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_pp.data.indexed import IndexedDatasetWriter, best_dtype
+from megatron_pp.data.tokenizers import build_tokenizer, train_bpe
+from megatron_pp.training.arguments import build_parser, validate_args
+from megatron_pp.training.megatron_compat import NO_EFFECT, accepted_without_effect
+from tests.data import sample_texts
+from tests.training.megatron_lm_flag_sets import FP8_BLOCK, GPT3_175B, LLAMA3_8B_BF16
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Appended after a script's flags (the last value of a flag wins): a model a CPU trains in seconds.
+SHRINK_LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+                "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", "32",
+                "--max-position-embeddings", "32", "--vocab-size", "256", "--global-batch-size", "4",
+                "--train-samples", "12", "--lr-decay-samples", "12", "--lr-warmup-samples", "4",
+                "--eval-iters", "1", "--eval-interval", "2", "--save-interval", "2"]
+SHRINK_GPT3 = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+               "--max-position-embeddings", "16", "--global-batch-size", "4", "--train-iters", "3",
+               "--lr-decay-iters", "3", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+               "--eval-iters", "1", "--eval-interval", "2", "--save-interval", "2", "--log-interval", "1"]
+
+
+def _placed(flags, paths):
+    return [paths.get(a, a) for a in flags]
+
+
+def test_every_flag_of_both_scripts_is_declared():
+    parser = build_parser()
+    for flags in (LLAMA3_8B_BF16, LLAMA3_8B_BF16 + FP8_BLOCK, GPT3_175B):
+        assert parser.parse_known_args(flags)[1] == []
+
+
+def test_llama_script_is_valid_at_its_own_size_and_fp8_is_refused_in_one_line(tmp_path):
+    parser = build_parser()
+    flags = _placed(LLAMA3_8B_BF16, {"CKPT": str(tmp_path / "ck"), "TB": str(tmp_path), "CACHE": str(tmp_path)})
+    assert validate_args(parser.parse_args(flags), world_size=8, this_machine=False) == []
+    errors = validate_args(parser.parse_args(flags + FP8_BLOCK), world_size=8, this_machine=False)
+    assert len(errors) == 1 and errors[0].startswith("--fp8-format: fp8 training needs TransformerEngine")
+
+
+def test_gpt3_script_is_refused_only_for_its_batch_ramp_up(tmp_path):
+    files = _bpe_corpus(tmp_path)
+    args = build_parser().parse_args(_placed(GPT3_175B, files) + ["--tokenizer-type", "GPT2BPETokenizer"])
+    errors = validate_args(args, world_size=128, this_machine=False)
+    assert errors == ["--rampup-batch-size: batch-size ramp-up is not implemented here (a run's pipeline schedule "
+                      "is built for one microbatch count); drop it to train at --global-batch-size from the start"]
+
+
+def test_start_up_line_names_each_flag_without_effect_that_was_given():
+    args = build_parser().parse_args(LLAMA3_8B_BF16)
+    line = accepted_without_effect(args)
+    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level 1",
+                 "--overlap-param-gather", "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader",
+                 "--no-mmap-bin-files", "--num-workers 1", "--profile", "--profile-step-start 4",
+                 "--profile-step-end 6", "--calculate-per-token-loss", "--context-parallel-size 1"):
+        assert name in line, name
+    assert "\n" not in line and accepted_without_effect(build_parser().parse_args([])) is None
+    assert set(NO_EFFECT) >= {"--use-mcore-models", "--manual-gc", "--num-workers", "--profile"}
+
+
+def _run(argv, nproc, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    proc = subprocess.run([*launcher, os.path.join(ROOT, "pretrain_gpt.py"), *argv], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_llama_script_trains_shrunk_through_pretrain_gpt(tmp_path):
+    paths = {"CKPT": str(tmp_path / "ck"), "TB": str(tmp_path / "tb"), "CACHE": str(tmp_path / "cache")}
+    metrics = tmp_path / "m.jsonl"
+    out = _run(_placed(LLAMA3_8B_BF16, paths) + SHRINK_LLAMA + ["--metrics-file", str(metrics)], 1, tmp_path)
+    assert "Megatron-LM flags accepted with no effect here: --use-mcore-models" in out
+    assert "--sequence-parallel (off at tensor-parallel size 1, as in Megatron-LM)" in out
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "lr" in r]  # not the validation rows
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    # --lr-warmup-samples 4 of a cosine decay to --min-lr over 12 samples: step 1 ends the warm-up at --lr.
+    assert rows[0]["lr"] == pytest.approx(1.5e-4) and rows[-1]["lr"] == pytest.approx(1e-5)
+    assert all(0 < r["loss"] < 20 for r in rows)
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def _bpe_corpus(tmp_path):
+    bpe = train_bpe(sample_texts(), 300, str(tmp_path / "bpe"))
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe["vocab.json"], merge_file=bpe["merges.txt"])
+    prefix = str(tmp_path / "corpus_text_document")
+    with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
+        for text in sample_texts(80, seed=3):
+            writer.add_document(tokenizer.tokenize(text) + [tokenizer.eod])
+    return {"DATA": prefix, "VOCAB": bpe["vocab.json"], "MERGE": bpe["merges.txt"],
+            "CKPT": str(tmp_path / "ck"), "TB": str(tmp_path / "tb")}
+
+
+def test_gpt3_script_without_its_ramp_up_trains_shrunk_on_two_pipeline_ranks(tmp_path):
+    files = _bpe_corpus(tmp_path)
+    flags = _placed(GPT3_175B, files)
+    at = flags.index("--rampup-batch-size")
+    del flags[at:at + 4]  # refused here (see the test above); everything else as the script gives it
+    metrics = tmp_path / "m.jsonl"
+    # Megatron-LM's script names no --tokenizer-type; its vocab and merge files are GPT-2 BPE's.
+    _run(flags + SHRINK_GPT3 + ["--tokenizer-type", "GPT2BPETokenizer", "--metrics-file", str(metrics)], 2, tmp_path)
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "lr" in r]  # not the validation rows
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    # --lr-warmup-fraction .001 of --lr-decay-iters 3: a warm-up of 0.003 iterations, over before step 1.
+    assert rows[0]["lr"] < 6.0e-5 and rows[-1]["lr"] == pytest.approx(6.0e-6)
+    assert all(0 < r["loss"] < 20 for r in rows)
