@@ -23,8 +23,9 @@ This is a benchmark mode: it lives here and in `tools/trace_vs_sim.py --emulate`
 flag. Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of a host),
 so rank timelines line up without a clock exchange.
 
-Worked numbers (equal costs, unit 20 ms): F = 20 ms, B = 40 ms, BI = BW = 20 ms per chunk; 1F1B at p = 4,
-m = 8 simulates to (8·3 + 3·3)·20 ms = 660 ms, bubble 9/33 = 0.27.
+Worked numbers (equal costs, unit 20 ms): F = 20 ms, B = 40 ms, BI = BW = 20 ms on a rank's whole share of the
+layers (10, 20, 10, 10 ms per chunk with two chunks per rank); 1F1B at p = 4, m = 8 simulates to
+(8·3 + 3·3)·20 ms = 660 ms, bubble 9/33 = 0.27.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from megatron_pp.schedules.ir import Op, Schedule
 from megatron_pp.schedules.simulate import CostModel, simulate
@@ -263,15 +263,18 @@ def measure(per_rank: list[dict]) -> dict:
             "model_share": own / sum(busy), "busy_s": busy}
 
 
-def run_grid(pool, pp: int, names: list[str], microbatches: list[int], costs: dict[str, CostModel], steps: int,
+def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: list[str], unit_s: float, steps: int,
              log=print) -> list[dict]:
     """Every (schedule, m) of the grid on one pool of `pp` workers, each built once and run under every cost
-    set in `costs` (name -> model): one warm-up step, then `steps` measured; rows with the median measured
-    step and bubble beside the simulated ones."""
+    set of `kinds`: one warm-up step, then `steps` measured; rows with the median measured step and bubble
+    beside the simulated ones. A forward of a rank's whole share of the layers takes `unit_s`: with v chunks
+    per rank, one chunk's forward takes unit_s / v (the same model, cut finer), so step times of schedules
+    with different v compare as the same job's."""
     rows = []
     for m in microbatches:
         for name in names:
             schedule = family_schedule(name, pp, m)
+            costs = {kind: cost_model(kind, unit_s / schedule.num_chunks) for kind in kinds}
             runs = pool.run(worker_emulate, schedule, list(costs.values()), steps + 1, timeout=900)
             for c, (kind, model) in enumerate(costs.items()):
                 row = compare(schedule, model, [[runs[r][c][k] for r in range(pp)] for k in range(steps + 1)])

@@ -19,7 +19,7 @@ import platform
 import time
 from dataclasses import dataclass
 
-from megatron_pp.benchmarks.emulate import FAMILIES, cost_model, family_schedule, run_grid
+from megatron_pp.benchmarks.emulate import FAMILIES, family_schedule, run_grid
 from megatron_pp.cli import UsageError, write_json
 
 CLAIMS = [("zb-h1", "1f1b"), ("zb-v", "interleaved-1f1b"), ("v-half", "1f1b"), ("gis", "interleaved-1f1b")]
@@ -97,8 +97,8 @@ def run_emulation(args, plan: EmulationPlan, argv: list[str]) -> int:
     for pp, counts in plan.grid:
         pool = WorkerPool(pp)
         try:
-            rows += run_grid(pool, pp, plan.names, counts, {kind: cost_model(kind, unit) for kind in plan.costs},
-                             args.steps, log=lambda line: print(line, flush=True))
+            rows += run_grid(pool, pp, plan.names, counts, plan.costs, unit, args.steps,
+                             log=lambda line: print(line, flush=True))
             if args.json:  # partial results survive an interrupted grid
                 write_json(args.json, _report(args, argv, rows, load_start, started, torch.__version__))
         finally:
@@ -121,7 +121,7 @@ def _report(args, argv, rows, load_start, started, torch_version) -> dict:
         "unit_ms": args.unit_ms,
         "steps_measured": args.steps,
         "model": "gpt-tiny, 1 layer per chunk, hidden 16, 2 heads, ffn 32, seq 8, vocab 64, micro-batch 1",
-        "cost_sets": {"equal": "F = 1, B = 2, BI = BW = 1 unit per chunk",
+        "cost_sets": {"equal": "F = 1, B = 2, BI = BW = 1 unit per rank's share of the layers (1/v unit per chunk)",
                       "split": "F = 1, B = 2, BI and BW from docs/results/split_backward_cpu.json (F = B/2 ours)"},
         "transfers": "OFFLOAD/RELOAD/EVICT/LOAD: CostModel.transfer_time (the schedule's offload_time, default "
                      "0.25 of the chunk's forward) on the simulator's lanes; p2p: gloo's own, simulator latency 0",
