@@ -311,6 +311,27 @@ def offload_table(reports: list) -> str:
     return table(["Schedule", "rank-0 peak, simulated", f"of {reports[0]['schedule']}",
                   "in host memory (simulated peak)", "makespan (F = BI = BW = 1)"], rows)
 
+def layered_traffic_table(data: dict) -> str:
+    """benchmarks/bench_layered.py traffic: rank 0's data-parallel collectives over one step per (setup, m),
+    as the tool prints them (reduce-scatter counted with the reductions; MiB = 2^20 bytes)."""
+    rows = []
+    for setup, by_m in data["rows"].items():
+        for m, r in by_m.items():
+            totals = r["totals"]
+            gather = totals.get("all_gather", (0, 0))
+            reduce = [a + b for a, b in zip(totals.get("all_reduce", (0, 0)), totals.get("reduce_scatter", (0, 0)))]
+            peak = ("—" if r["peak_weight_bytes"] is None
+                    else f"{mib(r['peak_weight_bytes'])} ({mib(r['model_bytes'])})")
+            rows.append([setup, m, str(gather[0]), mib(gather[1]), str(reduce[0]), mib(reduce[1]),
+                         mib(gather[1] + reduce[1]), peak])
+    return table(["setup", "m", "all-gather calls", "all-gather MiB", "reduction calls", "reduction MiB", "total MiB",
+                  "peak gathered weights MiB (of the rank's model)"], rows)
+
+
+def plan_output(data: dict) -> str:
+    """What `tools/plan.py` printed for the run whose JSON this is (its `printed` lines), in a code block."""
+    return "```\n" + "\n".join(data["printed"]) + "\n```"
+
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -340,6 +361,8 @@ RENDERERS: dict = {
     # soak: registered with its JSON (benchmarks/soak.py running)
     "planner-validation": ("docs/results/planner_validation.json", planner_validation_table),
     "pipeoffload-sim": ("docs/results/pipeoffload_sim_p4_m8.json", offload_table),
+    "layered-traffic": ("docs/results/layered_traffic_cpu.json", layered_traffic_table),
+    "plan-output": ("docs/results/plan_gpt3_13b_32xa100.json", plan_output),
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),

@@ -200,7 +200,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = [{**summary_row(p), "command": launch_command(plan.job, plan.cluster, p.configuration)}
                 for p in plan.ranked]
         write_json(args.json, {"command": "python tools/plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                               "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows})
+                               "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows,
+                               "printed": lines})  # what the run printed, which docs/planner.md shows
     return 0
 
 
