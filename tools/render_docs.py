@@ -10,8 +10,9 @@ A figure in a page sits between two markers, on lines of their own for a table o
     ...
     <!-- end render: split-backward -->
 
-or inside a sentence for one number: `BI / B = <!-- render: split-backward-bi (from
-docs/results/split_backward_cpu.json; do not edit by hand) -->0.568<!-- end render: split-backward-bi -->`.
+or inside a sentence for a figure: `measured: <!-- render: split-backward-pair (from
+docs/results/split_backward_cpu.json; do not edit by hand) -->(BI + BW) / B = 1.044 and BI / B = 0.568 over 9
+paired rounds<!-- end render: split-backward-pair --> (...)` in docs/schedules.md.
 The text between the markers is exactly what the renderer returns (for a block, with a newline after the
 opening marker and before the closing one), so `--check` is a string comparison: a page whose table was
 edited by hand, or whose JSON was re-measured without `--write`, fails by name. The marker's JSON must be
@@ -19,11 +20,14 @@ the one the registry names (a page always says where its number comes from), eve
 by some page, and a marker with no renderer fails too.
 
 Adding a table: write one function in tools/doc_renderers.py that takes the parsed JSON and returns the
-markdown, add one line to its RENDERERS (name -> (JSON path under docs/results/, function)), put the two markers in the page around the
+markdown, add one line to its RENDERERS (name -> (JSON path under docs/results/, function); a table drawn
+from several files names a tuple of paths, its function takes one parsed JSON per path, and its marker lists
+them joined by ', '), put the two markers in the page around the
 old table, and run `--write`; `git diff` then shows whether the old table said what its JSON says. For
 example, `split_backward_table(data)` turns `{"split_over_whole": 1.0435, "round_range": {...}, ...}`
-into the three-row table above, with 1.044 in its first cell. Renderers format, they never compute new
-results: what a number means is the benchmark's business, and its JSON holds it.
+into the three-row table above, with 1.044 in its first cell. Renderers format (round, convert units, at most
+take the ratio of two recorded numbers); they never compute results: what a number means is the
+benchmark's business, and its JSON holds it.
 """
 from __future__ import annotations
 
