@@ -177,13 +177,13 @@ def config_from_megatron_args(args: Any, vocab_size: int) -> tuple[TransformerCo
         value = getattr(args, name, default)
         return default if value is None else value
 
-    unsupported = [
-        (get("num_experts"), "--num-experts (mixture of experts)"),
-        (get("apply_residual_connection_post_layernorm", False), "--apply-residual-connection-post-layernorm"),
-        (get("qk_layernorm", False), "--qk-layernorm"),
-        (get("multi_latent_attention", False), "--multi-latent-attention"),
-        (get("squared_relu", False), "--squared-relu"),
-        (get("rotary_percent", 1.0) != 1.0, f"--rotary-percent {get('rotary_percent')}"),
+    # Switches (False / None unless a run sets them) that change what the weights compute: importing one
+    # silently would give another model (--use-rope-scaling rescales the RoPE frequencies, ...).
+    switches = ("apply_residual_connection_post_layernorm", "qk_layernorm", "multi_latent_attention", "squared_relu",
+                "quick_geglu", "use_rope_scaling", "rotary_seq_len_interpolation_factor", "window_size",
+                "no_rope_freq", "mtp_num_layers", "num_experts")
+    unsupported = [(get(name), "--" + name.replace("_", "-")) for name in switches] + [
+        (get("softmax_type", "vanilla") != "vanilla", f"--softmax-type {get('softmax_type')}"),
         (get("add_qkv_bias", False) and not get("add_bias_linear", True), "--add-qkv-bias without linear biases"),
     ]
     found = [what for on, what in unsupported if on]
@@ -211,8 +211,10 @@ def config_from_megatron_args(args: Any, vocab_size: int) -> tuple[TransformerCo
         activation="swiglu" if get("swiglu", False) else "gelu",
         position_embedding_type=position,
         rotary_base=float(get("rotary_base", 10000)),
+        rotary_percent=float(get("rotary_percent", 1.0)),
         add_bias_linear=bool(get("add_bias_linear", True)),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
+        apply_layernorm_1p=bool(get("apply_layernorm_1p", False)),  # norm weights stored as scale - 1
         init_method_std=get("init_method_std", 0.02),
         params_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
     )
@@ -454,12 +456,12 @@ def megatron_lm_args(
         add_position_embedding=not rope,
         use_rotary_position_embeddings=rope,
         rotary_base=int(config.rotary_base) if float(config.rotary_base).is_integer() else config.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=config.rotary_percent,
         rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None,
         normalization=config.normalization,
         norm_epsilon=config.norm_epsilon,
-        apply_layernorm_1p=False,
+        apply_layernorm_1p=config.apply_layernorm_1p,
         apply_residual_connection_post_layernorm=False,
         swiglu=config.activation == "swiglu",
         # Our GELU is the tanh approximation, which Megatron-LM calls openai_gelu (its default is exact erf).

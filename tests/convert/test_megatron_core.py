@@ -31,10 +31,11 @@ from megatron_pp.convert import (
     convert_checkpoint,
     read_full_state,
 )
-from megatron_pp.convert.megatron_lm import megatron_lm_args, rank_directory
+from megatron_pp.convert.megatron_lm import rank_directory
 from megatron_pp.convert.megatron_pp import write_megatron_pp
 from megatron_pp.convert.torch_dist import MCORE_VERSION_CHECKED
 from megatron_pp.core.local_world import WorkerPool
+from tests.convert.megatron_lm_args import args_for
 
 SEQ = 16
 ATOL = 2e-5  # fp32; the two implementations order some reductions differently
@@ -155,7 +156,7 @@ def _child_processes_allowed():
 
 
 def _mcore_model(config: TransformerConfig, tp: int, num_layers: int = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, rotary_interleaved: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig as McoreConfig
@@ -169,6 +170,7 @@ def _mcore_model(config: TransformerConfig, tp: int, num_layers: int = None, pre
         activation_func=F.silu if swiglu else openai_gelu, add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+        rotary_interleaved=rotary_interleaved,
     )
     return GPTModel(mcore_config, get_gpt_layer_local_spec(normalization=config.normalization),
                     vocab_size=config.padded_vocab_size(tp), max_sequence_length=config.num_positions,
@@ -237,8 +239,10 @@ def _perturb_mcore(model, seed: int, rank: int) -> None:
             param.add_(torch.randn(param.shape, generator=g) * 0.05)
 
 
-def _mcore_saves(ctx, fmt: str, root: str, config_json: dict, tokens: torch.Tensor, seed: int):
-    """A tp = world-size GPTModel saves itself as Megatron-LM would (weights, args); its logits."""
+def _mcore_saves(ctx, fmt: str, root: str, config_json: dict, tokens: torch.Tensor, seed: int,
+                 rotary_interleaved: bool = False):
+    """A tp = world-size GPTModel saves itself as Megatron-LM would (weights, and `args` with every field
+    the run did not set at Megatron-LM's default); its logits."""
     import torch.distributed as dist
 
     config = config_from_json(config_json)
@@ -247,12 +251,10 @@ def _mcore_saves(ctx, fmt: str, root: str, config_json: dict, tokens: torch.Tens
         # Replicated parameters (position embeddings) are initialised from the CPU generator: the same
         # seed on every rank keeps them equal, as Megatron-LM's seeding does.
         torch.manual_seed(seed)
-        model = _mcore_model(config, tp)
+        model = _mcore_model(config, tp, rotary_interleaved=rotary_interleaved)
         _perturb_mcore(model, seed, ctx.rank)
-        layout = TargetLayout(tp=tp)
-        args = megatron_lm_args(config, layout, iteration=7, consumed_samples=0, ckpt_format=fmt,
-                                transformer_impl="local", tokenizer_model=None, dtype=torch.float32)
-        args.vocab_size = None  # Megatron-LM does not record the real vocabulary: --true-vocab-size says it
+        # Megatron-LM does not record the real vocabulary (args.vocab_size None): --true-vocab-size says it.
+        args = args_for(config, tp=tp, ckpt_format=fmt, transformer_impl="local", rotary_interleaved=rotary_interleaved)
         directory = iteration_dir(root, 7)
         common = {"args": args, "checkpoint_version": 3.0, "iteration": 7}
         if fmt == "torch":
@@ -323,16 +325,21 @@ def test_megatron_core_loads_our_export_and_gives_our_logits(mcore_run, ours, tm
         assert torch.equal(back[name], tensor), name
 
 
-IMPORTS = [("llama", fmt, tp) for fmt in ("torch", "torch_dist") for tp in (1, 2)] + [("gpt", fmt, 2) for fmt in ("torch", "torch_dist")]
+# LLaMA-style: grouped-query, untied, no biases; GPT-style: multi-head (Megatron-LM's args then say
+# num_query_groups 1 with group_query_attention False), tied, biases. RoPE interleaved in both formats.
+IMPORTS = ([("llama", fmt, tp, False) for fmt in ("torch", "torch_dist") for tp in (1, 2)]
+           + [("gpt", fmt, 2, False) for fmt in ("torch", "torch_dist")]
+           + [("llama", fmt, 2, True) for fmt in ("torch", "torch_dist")])
 
 
-@pytest.mark.parametrize("flavour,fmt,tp", IMPORTS, ids=[f"{f}-{m}-tp{t}" for f, m, t in IMPORTS])
-def test_megatron_core_checkpoint_imports_with_its_logits(mcore_run, tmp_path, flavour, fmt, tp):
+@pytest.mark.parametrize("flavour,fmt,tp,interleaved", IMPORTS,
+                         ids=[f"{f}-{m}-tp{t}" + ("-rotary-interleaved" if i else "") for f, m, t, i in IMPORTS])
+def test_megatron_core_checkpoint_imports_with_its_logits(mcore_run, tmp_path, flavour, fmt, tp, interleaved):
     config = _config(flavour)
     tokens = _tokens(config)
     root = str(tmp_path / "mcore")
     os.makedirs(root)
-    expected = mcore_run(tp, _mcore_saves, fmt, root, config_to_json(config), tokens, 3)[0]
+    expected = mcore_run(tp, _mcore_saves, fmt, root, config_to_json(config), tokens, 3, interleaved)[0]
     source = "megatron_lm" if fmt == "torch" else "torch_dist"
     torch.testing.assert_close(_imported_logits(source, root, tokens, tmp_path), expected, rtol=0, atol=ATOL)
 

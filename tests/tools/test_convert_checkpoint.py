@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import enum
 import io
 import json
@@ -28,6 +29,7 @@ from megatron_pp.models.transformer import StageModel, build_model, full_named_p
 from megatron_pp.core.tensor_parallel import shard_tensor  # noqa: E402
 from megatron_pp.training.checkpointing import CheckpointError, iteration_dir, read_metadata  # noqa: E402
 from megatron_pp.convert import (  # noqa: E402
+    CheckpointReader,
     TargetLayout,
     config_from_json,
     convert_checkpoint,
@@ -35,6 +37,7 @@ from megatron_pp.convert import (  # noqa: E402
     read_full_state,
     training_flags,
 )
+from tests.convert.megatron_lm_args import args_for  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -413,20 +416,11 @@ def _megatron_enum_module():
 
 
 def _megatron_args(config: TransformerConfig, tp: int, pp: int, vp: int, **extra) -> argparse.Namespace:
-    return argparse.Namespace(
-        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        group_query_attention=config.num_query_groups is not None, num_query_groups=config.num_query_groups,
-        ffn_hidden_size=config.ffn_size, kv_channels=config.head_dim, seq_length=config.seq_length,
-        max_position_embeddings=config.num_positions, padded_vocab_size=config.padded_vocab_size(tp), vocab_size=None,
-        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, normalization=config.normalization,
-        norm_epsilon=config.norm_epsilon, swiglu=config.activation == "swiglu",
-        position_embedding_type=config.position_embedding_type, rotary_base=int(config.rotary_base),
-        rotary_percent=1.0, add_bias_linear=config.add_bias_linear,
-        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vp if vp > 1 else None, params_dtype=torch.float32,
-        attention_backend=FakeAttnBackend.auto, transformer_impl="transformer_engine", **extra,
-    )
+    """What Megatron-LM saves for a run of `config` (every field it did not set at Megatron-LM's default:
+    tests/convert/megatron_lm_args.py), with its attention-backend enum, which must load without Megatron."""
+    args = args_for(config, tp=tp, pp=pp, vp=vp, **extra)
+    args.attention_backend = FakeAttnBackend.auto
+    return args
 
 
 def _half_to_interleaved(fused, config):
@@ -494,6 +488,8 @@ def _write_megatron_lm(root, full, config, *, tp, pp, vp, style, iteration, args
                     model = {}
                     if spec.has_embedding:
                         model["embedding.word_embeddings.weight"] = piece("embedding.word_embeddings.weight")
+                        if "embedding.position_embeddings.weight" in full:
+                            model["embedding.position_embeddings.weight"] = piece("embedding.position_embeddings.weight")
                     for local, layer in enumerate(spec.layers):
                         for ours, theirs in _MCORE_LAYER.items():
                             if f"layers.{layer}.{ours}" in full:
@@ -502,6 +498,8 @@ def _write_megatron_lm(root, full, config, *, tp, pp, vp, style, iteration, args
                         model[f"decoder.layers.{local}.mlp.linear_fc2._extra_state"] = None
                     if spec.has_head:
                         model["decoder.final_layernorm.weight"] = piece("final_layernorm.weight")
+                        if "final_layernorm.bias" in full:
+                            model["decoder.final_layernorm.bias"] = piece("final_layernorm.bias")
                         model["output_layer.weight"] = piece("output_layer.weight" if not tied
                                                              else "embedding.word_embeddings.weight")
                 else:
@@ -559,7 +557,8 @@ def test_megatron_lm_checkpoint_imports_exactly(tmp_path, case):
             written[name] = _half_to_interleaved(full[name], config)
     root = tmp_path / "megatron"
     root.mkdir()
-    args = _megatron_args(config, spec["tp"], spec["pp"], spec["vp"], rotary_interleaved=spec["interleaved"])
+    args = _megatron_args(config, spec["tp"], spec["pp"], spec["vp"], rotary_interleaved=spec["interleaved"],
+                          ckpt_format="torch", use_legacy_models=spec["style"] == "legacy")
     _write_megatron_lm(str(root), written, config, tp=spec["tp"], pp=spec["pp"], vp=spec["vp"], style=spec["style"],
                        iteration=None if "release" in case else 40, args=args)
 
@@ -575,6 +574,133 @@ def test_megatron_lm_checkpoint_imports_exactly(tmp_path, case):
         assert torch.equal(imported[name], tensor[: config.vocab_size] if vocabulary else tensor), name
     iteration = 0 if "release" in case else 40
     assert read_metadata(iteration_dir(save, iteration))["iteration"] == iteration
+
+
+class _TensorsReader(CheckpointReader):
+    """Given full tensors (our names) as a conversion source: how the matrix below writes torch_dist files."""
+
+    def __init__(self, config: TransformerConfig, tensors: dict, iteration: int):
+        self.config, self._tensors, self.iteration = config, tensors, iteration
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
+def _write_torch_dist_as_megatron_lm(root: str, written: dict, config: TransformerConfig, args, iteration: int):
+    """A torch_dist checkpoint holding `written` (QKV rows as the run's RoPE lays them out) whose common.pt
+    carries `args` as Megatron-LM saves them (not the fields our exporter writes)."""
+    from megatron_pp.convert.torch_dist import COMMON_FILE, write_torch_dist
+
+    write_torch_dist(_TensorsReader(config, written, iteration), config, root, TargetLayout(tp=2), progress=False)
+    common_path = os.path.join(iteration_dir(root, iteration), COMMON_FILE)
+    common = torch.load(common_path, weights_only=False)
+    with _megatron_enum_module():
+        torch.save({**common, "args": args}, common_path)
+
+
+def _file_matrix() -> dict[str, dict]:
+    """Every combination a user's Megatron-LM run can have that megatron_pp models: GPT (LayerNorm, GELU,
+    learned positions) and LLaMA (RMSNorm, SwiGLU, RoPE) x multi-head or grouped-query attention x tied or
+    untied x with or without linear biases x (RoPE only) rotary interleaved or not x torch or torch_dist:
+    48 tiny files, each written with Megatron-LM's args for that run. The torch files rotate through
+    tp/pp layouts (1x1, 2x1, 1x2, 2x2)."""
+    cases, index = {}, 0
+    for flavour in ("gpt", "llama"):
+        for attention in ("mha", "gqa"):
+            for tied in (True, False):
+                for bias in (True, False):
+                    for interleaved in ((False, True) if flavour == "llama" else (False,)):
+                        for fmt in ("torch", "torch_dist"):
+                            tp, pp = ((1, 1), (2, 1), (1, 2), (2, 2))[index % 4]
+                            index += 1
+                            name = "-".join([flavour, attention, "tied" if tied else "untied",
+                                             "bias" if bias else "nobias"] + (["interleaved"] if interleaved else [])
+                                            + [fmt] + ([f"tp{tp}pp{pp}"] if fmt == "torch" else []))
+                            cases[name] = dict(flavour=flavour, gqa=attention == "gqa", tied=tied, bias=bias,
+                                               interleaved=interleaved, fmt=fmt, tp=tp, pp=pp)
+    return cases
+
+
+FILE_MATRIX = _file_matrix()
+
+
+@pytest.mark.parametrize("case", sorted(FILE_MATRIX))
+def test_megatron_lm_files_as_megatron_lm_writes_them_import_exactly(tmp_path, case):
+    """Each file imports to the very tensors that were saved (RoPE rows un-interleaved when the run used
+    --rotary-interleaved, in either format), with the config the run had."""
+    spec = FILE_MATRIX[case]
+    base = get_preset("llama-tiny" if spec["flavour"] == "llama" else "gpt-tiny")
+    config = dataclasses.replace(base, num_query_groups=2 if spec["gqa"] else None,
+                                 untie_embeddings_and_output_weights=not spec["tied"],
+                                 add_bias_linear=spec["bias"])
+    model = build_model(config, seed=23)
+    _perturb(model, 23)  # norms of one and zero biases would hide a mapping mistake in them
+    full = full_named_parameters([model])
+    written = dict(full)
+    if spec["interleaved"]:
+        for name in [n for n in full if "linear_qkv" in n]:
+            written[name] = _half_to_interleaved(full[name], config)
+        assert any(not torch.equal(written[n], full[n]) for n in written), "the permutation must move rows"
+    root = tmp_path / "megatron"
+    root.mkdir()
+    args = _megatron_args(config, spec["tp"], spec["pp"], 1, rotary_interleaved=spec["interleaved"],
+                          ckpt_format=spec["fmt"])
+    if spec["fmt"] == "torch":
+        _write_megatron_lm(str(root), written, config, tp=spec["tp"], pp=spec["pp"], vp=1, style="mcore",
+                           iteration=40, args=args)
+    else:
+        _write_torch_dist_as_megatron_lm(str(root), written, config, args, 40)
+    save = str(tmp_path / "ours")
+    result = convert_checkpoint("megatron_lm" if spec["fmt"] == "torch" else "torch_dist", "megatron_pp", str(root),
+                                save, progress=False)
+    for field in ("num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear", "activation",
+                  "normalization", "position_embedding_type", "ffn_size", "head_dim"):
+        assert getattr(result.config, field) == getattr(config, field), field
+    imported = dict(read_full_state(save))
+    assert imported.keys() == set(model_parameters(config))
+    for name, tensor in full.items():
+        assert torch.equal(imported[name], tensor), name
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("use_rope_scaling", True, "--use-rope-scaling"),
+    ("rotary_seq_len_interpolation_factor", 4, "--rotary-seq-len-interpolation-factor"),
+    ("window_size", (128, 0), "--window-size"),
+    ("quick_geglu", True, "--quick-geglu"),
+    ("num_experts", 8, "--num-experts"),
+    ("softmax_type", "off-by-one", "--softmax-type off-by-one"),
+    ("mtp_num_layers", 1, "--mtp-num-layers"),
+])
+def test_megatron_lm_runs_with_features_we_lack_are_refused_by_flag(field, value, flag):
+    """A run that set one of these computes something our model does not: refused by its flag, never imported
+    as a different model. At Megatron-LM's defaults (every other test here) they pass."""
+    from megatron_pp.convert.megatron_lm import config_from_megatron_args
+
+    config = get_preset("llama-tiny")
+    config_from_megatron_args(_megatron_args(config, 1, 1, 1), 512)
+    with pytest.raises(CheckpointError, match=f"uses {flag}"):
+        config_from_megatron_args(_megatron_args(config, 1, 1, 1, **{field: value}), 512)
+
+
+def test_apply_layernorm_1p_is_carried_both_ways(tmp_path):
+    """--apply-layernorm-1p stores each norm's scale minus one: an import keeps that meaning (the config says
+    so), and an export tells Megatron-LM (it once wrote False, a model with every norm scale off by one)."""
+    from megatron_pp.convert.megatron_lm import config_from_megatron_args
+
+    config = dataclasses.replace(get_preset("gpt-tiny"), apply_layernorm_1p=True)
+    imported, _ = config_from_megatron_args(_megatron_args(config, 1, 1, 1, apply_layernorm_1p=True), 512)
+    assert imported.apply_layernorm_1p
+    assert not config_from_megatron_args(_megatron_args(config, 1, 1, 1), 512)[0].apply_layernorm_1p
+    model = build_model(config, seed=3)
+    root = tmp_path / "megatron"
+    root.mkdir()
+    _write_megatron_lm(str(root), full_named_parameters([model]), config, tp=1, pp=1, vp=1, style="mcore",
+                       iteration=5, args=_megatron_args(config, 1, 1, 1, apply_layernorm_1p=True))
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    assert convert_checkpoint("megatron_lm", "megatron_pp", str(root), ours, progress=False).config.apply_layernorm_1p
+    convert_checkpoint("megatron_pp", "megatron_lm", ours, back, progress=False)
+    exported = torch.load(os.path.join(iteration_dir(back, 5), "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+    assert exported["args"].apply_layernorm_1p is True
 
 
 def test_megatron_lm_file_with_an_arbitrary_object_is_refused(tmp_path):
