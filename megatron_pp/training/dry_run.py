@@ -205,11 +205,14 @@ def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: i
         dist.destroy_process_group()
 
 
-def _run(args, state: ParallelState, mode: FakeTensorMode, tracker: MemoryTracker, steps: int) -> RankReport:
+def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: MemoryTracker,
+         steps: int) -> RankReport:
+    """Build and run the rank's job inside the tracker (and, for the dry run, the fake mode). With `mode`
+    None the same code runs on real tensors: the test that holds the dry run to a real run uses that."""
     from megatron_pp.core.tensor_parallel import model_parallel_seed
 
     model_parallel_seed(args.seed, state.tp_rank, state.pp_rank)
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # data and lists are host work, for real
         config, data = build_config_and_data(args, state)
         shape = config
         chunks = num_chunks(args, shape) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
@@ -229,8 +232,8 @@ def _run(args, state: ParallelState, mode: FakeTensorMode, tracker: MemoryTracke
     )
     optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     connect_optimizer(pipe.executor, optimizer)
-    batches = [{k: mode.from_tensor(v).to(state.device) if isinstance(v, torch.Tensor) else v
-                for k, v in mb.items()} for mb in batches_real]
+    to_job = (lambda t: mode.from_tensor(t).to(state.device)) if mode is not None else (lambda t: t.to(state.device))
+    batches = [{k: to_job(v) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in batches_real]
     del batches_real
     step = [0]
     _label_actions(pipe.executor, tracker, step)
