@@ -35,6 +35,7 @@ key/value heads; "full" means the whole tensor, before any tensor-parallel split
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -162,6 +163,8 @@ def hf_architecture(config: TransformerConfig) -> str:
     for name, wanted in ((LLAMA, llama), (GPT2, gpt2)):
         misses = [f"{key}={getattr(config, key)!r} (needs {value!r})" for key, value in wanted.items()
                   if getattr(config, key) != value]
+        if config.rotary_percent != 1.0 and config.position_embedding_type == "rope":
+            misses.append(f"rotary_percent={config.rotary_percent} (rotates the whole head)")
         if name == GPT2:
             if config.query_groups != config.num_attention_heads:
                 misses.append(f"num_query_groups={config.query_groups} (GPT-2 has no grouped-query attention)")
@@ -244,6 +247,7 @@ class TensorMap:
       qkv_fused   one GPT-2 `c_attn` bias `[q | k | v]` -> our grouped rows
       qkv_conv1d  one GPT-2 `c_attn` weight `[in, q | k | v]` -> transposed, then grouped
       gate_up     HF (gate, up) -> our `[gate; up]`
+      scale_1p    one HF norm scale s -> our zero-centred weight s - 1 (--apply-layernorm-1p; HF applies s)
     """
 
     name: str
@@ -264,6 +268,8 @@ class TensorMap:
             return qkv_to_grouped(*_split_rows(fused, _qkv_sizes(config)), config)
         if self.kind == "gate_up":
             return torch.cat(tuple(hf_tensors), dim=0)
+        if self.kind == "scale_1p":
+            return hf_tensors[0] - 1
         raise AssertionError(self.kind)
 
     def to_hf(self, tensor: torch.Tensor, config: TransformerConfig) -> list[torch.Tensor]:
@@ -278,14 +284,17 @@ class TensorMap:
             return [fused.t() if self.kind == "qkv_conv1d" else fused]
         if self.kind == "gate_up":
             return list(tensor.chunk(2, dim=0))
+        if self.kind == "scale_1p":
+            return [tensor + 1]
         raise AssertionError(self.kind)
 
 
 def tensor_maps(config: TransformerConfig) -> list[TensorMap]:
     """Every megatron_pp parameter of the whole model with its Hugging Face tensors, in model order."""
-    if hf_architecture(config) == LLAMA:
-        return _llama_maps(config)
-    return _gpt2_maps(config)
+    maps = _llama_maps(config) if hf_architecture(config) == LLAMA else _gpt2_maps(config)
+    if config.apply_layernorm_1p:  # HF stores the scale itself: ours is the scale minus one
+        maps = [dataclasses.replace(m, kind="scale_1p") if m.name.endswith("layernorm.weight") else m for m in maps]
+    return maps
 
 
 _LLAMA_ATTENTION = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
