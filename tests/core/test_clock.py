@@ -1,5 +1,6 @@
 """One clock for the trace (megatron_pp/core/clock.py): a rank whose clock is 1234.5 s ahead of rank 0's
-is measured to within the bound the measurement states, drift between two syncs is interpolated away,
+is measured to within the bound the measurement states, drift between two syncs is interpolated away
+(planted offsets of seconds, far beyond any bound a loaded machine gives, and a synthetic clock),
 and in a real 2-rank trace whose rank 1 runs on a shifted clock the pipeline's causality holds on the
 trace's one clock (rank 1 starts microbatch 0 only after rank 0 finished it)."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ import json
 import time
 
 from megatron_pp.core import clock as clock_module
-from megatron_pp.core.clock import JobClock, measure
+from megatron_pp.core.clock import ClockSync, JobClock, measure
 from tests.dist import run_distributed
 
 SHIFT = 1234.5
@@ -28,22 +29,41 @@ def test_a_shifted_clock_is_measured_within_the_stated_bound():
 
 
 def _drifting(ctx):
-    base = time.perf_counter()
-    rate = 1 + 1e-3  # a clock running 1000 ppm fast, far worse than quartz: interpolation must absorb it
-    clock = (lambda: (time.perf_counter() - base) * rate + 50.0) if ctx.rank == 1 else time.perf_counter
+    """Rank 1's clock is 50 s ahead at the first sync and 60 s ahead at the second: a drift of 10 s between
+    them, planted so large that no measurement error (half a round trip, milliseconds on a loaded machine)
+    comes near it. The job clock maps the local time a quarter of the way between the syncs back with the
+    offset a quarter of the way from 50 to 60; a correction of the wrong sign or direction misses by seconds."""
+    shift = {"now": 50.0}
+    clock = (lambda: time.perf_counter() + shift["now"]) if ctx.rank == 1 else time.perf_counter
     start = measure(clock)
-    time.sleep(0.3)
-    middle_true = time.perf_counter()
-    middle_local = clock()
-    time.sleep(0.3)
-    job = JobClock(start, measure(clock))
-    return job.to_job(middle_local) - middle_true, job.error
+    if ctx.rank == 1:
+        shift["now"] = 60.0  # between the two collective syncs: each sync sees one constant offset
+    end = measure(clock)
+    job = JobClock(start, end)
+    quarter = start.local + 0.25 * (end.local - start.local)
+    beyond = end.local + (end.local - start.local)  # linear beyond the second sync too
+    return start.offset, end.offset, job.to_job(quarter) - quarter, job.to_job(beyond) - beyond, job.error
 
 
-def test_linear_drift_between_two_syncs_is_interpolated():
-    _, (miss, bound) = run_distributed(2, _drifting)
-    # Without interpolation the start offset alone would be 0.3 ms off at the middle: more than the bound here.
-    assert abs(miss) <= bound + 1e-5, (miss, bound)
+def test_drift_between_two_syncs_is_interpolated():
+    (_, _, at_quarter0, _, error0), (start, end, at_quarter, at_beyond, bound) = run_distributed(2, _drifting)
+    assert at_quarter0 == 0.0 and error0 == 0.0  # rank 0 is the job's clock
+    assert 0 < bound < 1.0, bound  # far below the planted 10 s on any load
+    assert abs(start - 50.0) <= bound and abs(end - 60.0) <= bound, (start, end, bound)
+    # job time = local - offset, the offset interpolated: 52.5 s at a quarter, 70 s one span beyond the end.
+    assert abs(at_quarter + 52.5) <= bound, (at_quarter, bound)
+    assert abs(at_beyond + 70.0) <= bound, (at_beyond, bound)
+
+
+def test_job_clock_on_a_synthetic_clock():
+    """Planted syncs, no processes: the arithmetic alone, exact. Rank 0's time is local - offset."""
+    job = JobClock(ClockSync(local=100.0, offset=50.0, error=1e-3), ClockSync(local=200.0, offset=60.0, error=2e-3))
+    assert job.to_job(100.0) == 50.0 and job.to_job(200.0) == 140.0
+    assert job.to_job(125.0) == 125.0 - 52.5 and job.to_job(300.0) == 300.0 - 70.0
+    assert job.to_job(50.0) == 50.0 - 45.0  # before the first sync: the line extended back
+    assert job.error == 2e-3
+    same = JobClock(ClockSync(5.0, 1.5, 0.0), ClockSync(5.0, 1.5, 0.0))  # one sync: a constant offset
+    assert same.to_job(7.0) == 5.5
 
 
 def _traced_run(ctx, argv):
