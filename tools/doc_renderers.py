@@ -332,6 +332,14 @@ def plan_output(data: dict) -> str:
     """What `tools/plan.py` printed for the run whose JSON this is (its `printed` lines), in a code block."""
     return "```\n" + "\n".join(data["printed"]) + "\n```"
 
+def demo_validation_sentence(rows: list) -> str:
+    """launch/demo.sh's metrics: the first and last validation loss, 'from 6.70 after 30 iterations to 6.10
+    after 120'."""
+    evals = [r for r in rows if "eval_loss" in r]
+    first, last = evals[0], evals[-1]
+    return (f"from {num(first['eval_loss'])} after {first['iteration']} iterations to {num(last['eval_loss'])} "
+            f"after {last['iteration']}")
+
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -358,11 +366,12 @@ RENDERERS: dict = {
                        trends_of("breadth-first", lambda trend: not trend.startswith("breadth-first"))),
     "stash-trends-farthest": ("docs/results/reproduce_quick.json", farthest_stash_trend),
     "mutation-headline": ("docs/results/mutation.json", mutation_table),
-    # soak: registered with its JSON (benchmarks/soak.py running)
+    "soak": ("docs/results/soak_short_cpu.json", soak_table),
     "planner-validation": ("docs/results/planner_validation.json", planner_validation_table),
     "pipeoffload-sim": ("docs/results/pipeoffload_sim_p4_m8.json", offload_table),
     "layered-traffic": ("docs/results/layered_traffic_cpu.json", layered_traffic_table),
     "plan-output": ("docs/results/plan_gpt3_13b_32xa100.json", plan_output),
+    # demo-validation: registered with its metrics (launch/demo.sh running)
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),

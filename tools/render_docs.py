@@ -68,8 +68,9 @@ def render(name: str, root: str = ROOT) -> str:
     source, renderer = RENDERERS[name]
     loaded = []
     for path in source_list(source):
-        with open(os.path.join(root, path)) as f:
-            loaded.append(json.load(f))
+        with open(os.path.join(root, path)) as f:  # a .jsonl (a metrics file) reads as its list of rows
+            loaded.append([json.loads(line) for line in f if line.strip()] if path.endswith(".jsonl")
+                          else json.load(f))
     return renderer(*loaded)
 
 
