@@ -371,7 +371,7 @@ RENDERERS: dict = {
     "pipeoffload-sim": ("docs/results/pipeoffload_sim_p4_m8.json", offload_table),
     "layered-traffic": ("docs/results/layered_traffic_cpu.json", layered_traffic_table),
     "plan-output": ("docs/results/plan_gpt3_13b_32xa100.json", plan_output),
-    # demo-validation: registered with its metrics (launch/demo.sh running)
+    "demo-validation": ("docs/results/demo_metrics.jsonl", demo_validation_sentence),
     "schedule-build": ("docs/results/schedule_build_constant_factors.json", schedule_build_table),
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
