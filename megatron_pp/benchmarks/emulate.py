@@ -2,8 +2,9 @@
 and every stash copy taking the time a simulator `CostModel` gives it, so pipelines of 16 ranks fit on
 2 cores and the trace shows the executor's own behaviour (posting, waiting, the p2p path, the stores).
 
-A rank that sleeps needs no CPU. Each rank builds a tiny GPT (1 layer per chunk, hidden 16, sequence 8),
-whose own compute is a fraction of a millisecond, and wraps the executor's handlers (its public table,
+A rank that sleeps needs no CPU. Each rank's chunks are the cheapest the executor accepts (an embedding on
+the first stage, one tensor-parallel linear layer of width 8 over 4 tokens, a per-token loss on the last:
+`emulated_chunk`), whose own compute is tens of microseconds, and it wraps the executor's handlers (its public table,
 the way `ExecutorHooks` adds behaviour without touching the loop):
 
 - F, B, BI, BW run the real handler (which waits for the received input, as always), then sleep for the
@@ -29,7 +30,6 @@ layers (10, 20, 10, 10 ms per chunk with two chunks per rank); 1F1B at p = 4, m 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -195,32 +195,80 @@ def raise_priority() -> bool:
     return True
 
 
-def tiny_config(layers: int):
-    from megatron_pp.models.presets import get_preset
+HIDDEN, SEQ, VOCAB = 8, 4, 16
 
-    return dataclasses.replace(get_preset("gpt-tiny"), num_layers=layers, hidden_size=16, num_attention_heads=2,
-                               num_query_groups=None, ffn_hidden_size=32, seq_length=8, max_position_embeddings=8,
-                               vocab_size=64)
+
+def emulated_chunk(first: bool, last: bool):
+    """The cheapest chunk the executor accepts: an embedding on the first stage, one linear layer (the
+    tensor-parallel kind, whose weight GEMM a split backward really defers to BW), a per-token loss [b, s]
+    on the last. Tens of microseconds a call on an idle core, beside milliseconds of sleep."""
+    import torch
+    from torch import nn
+
+    from megatron_pp.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class Chunk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(VOCAB, HIDDEN) if first else None
+            self.linear = ColumnParallelLinear(HIDDEN, HIDDEN)
+            with torch.no_grad():
+                nn.init.normal_(self.linear.weight, std=0.1)
+                self.linear.bias.zero_()
+
+        def forward(self, x, batch):
+            if first:
+                x = self.embedding(batch["tokens"]).transpose(0, 1)  # [s, b, h]
+            y = self.linear(x)
+            return (y * y).mean(-1).transpose(0, 1) if last else y  # [b, s] per-token loss
+
+    return Chunk()
+
+
+def emulated_pipeline(schedule: Schedule, state):
+    """This rank's executor over emulated chunks, with the stores and hooks `training.pipeline` would give
+    the same lists (host offload, BPipe's peer parking, 2BW's weight versions)."""
+    import torch
+
+    from megatron_pp.core.p2p import PipelineComm
+    from megatron_pp.schedules.execute import PipelineExecutor
+    from megatron_pp.schedules.peer_store import peer_store_for
+    from megatron_pp.training.weight_versions import WeightVersions, uses_weight_versions
+
+    torch.manual_seed(1)
+    last = schedule.num_stages - 1
+    chunks = [emulated_chunk(stage == 0, stage == last)
+              for stage in (schedule.stage_of(state.pp_rank, c) for c in range(schedule.num_chunks))]
+    versions = WeightVersions(chunks) if uses_weight_versions(schedule) else None
+    executor = PipelineExecutor(schedule, state.pp_rank, chunks, comm=PipelineComm(state.pp_group, state.pp_ranks),
+                                activation_shape=(SEQ, 1, HIDDEN), dtype=torch.float32, device=state.device,
+                                trace=True, store=peer_store_for(schedule, state), hooks=versions)
+    if versions is not None:
+        executor.store.exclude(versions.buffers[1])
+    return chunks, executor
+
+
+def emulated_batches(microbatches: int) -> list[dict]:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    return [{"tokens": torch.randint(0, VOCAB, (1, SEQ), generator=generator), "loss_mask": torch.ones(1, SEQ)}
+            for _ in range(microbatches)]
 
 
 def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) -> list[list[dict]]:
     """Run `steps` emulated steps of `schedule` under each cost model on this rank; per cost model and step,
     this rank's records (times on the host's monotonic clock). The pipeline is built once per schedule."""
     from megatron_pp.core import comm
-    from megatron_pp.data.mock import MockData
-    from megatron_pp.training.pipeline import build_pipeline
 
     state = ctx.parallel_state(1, schedule.num_ranks)
     key = (schedule.name, schedule.num_ranks, schedule.num_microbatches)
     if key not in _EMULATED:
         _EMULATED.clear()  # one pipeline at a time: a grid builds many
-        pipe = build_pipeline(tiny_config(schedule.num_stages), state, schedule, micro_batch_size=1, seed=1,
-                              trace=True)
-        config = pipe.config
-        data = MockData(1, config.seq_length, config.vocab_size, 1, schedule.num_microbatches, 1)
-        _EMULATED[key] = (pipe, Emulator(pipe.executor, pipe.schedule, costs[0]),
-                          data.step_microbatches(0, 0, state.device))
-    pipe, emulator, batches = _EMULATED[key]
+        chunks, executor = emulated_pipeline(schedule, state)
+        _EMULATED[key] = (chunks, executor, Emulator(executor, schedule, costs[0]),
+                          emulated_batches(schedule.num_microbatches))
+    chunks, executor, emulator, batches = _EMULATED[key]
     prioritised = raise_priority()  # again each call: threads started since (gloo's) inherit nothing earlier
     tokens = float(sum(b["loss_mask"].sum() for b in batches))
     out = []
@@ -228,12 +276,12 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) 
         emulator.costs = model
         out.append([])
         for _ in range(steps):
-            for chunk in pipe.chunks:
+            for chunk in chunks:
                 for p in chunk.parameters():
                     p.grad = None
             emulator.reset()
             comm.barrier()
-            result = pipe.executor.run(batches, loss_scale=1.0 / tokens)
+            result = executor.run(batches, loss_scale=1.0 / tokens)
             out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
                             "copies": emulator.copies, "posts": emulator.posts, "load": os.getloadavg()[0],
                             "prioritised": prioritised})
