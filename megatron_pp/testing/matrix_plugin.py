@@ -1,6 +1,7 @@
-"""The schedule plugin of the interaction matrix (tests/interaction.py): loaded by `--schedule-plugin` with this
-file's path, like a user's own file, it registers `matrix-plugin`: 1F1B at one chunk per rank, interleaved 1F1B
-at more, with the offload pass on every rank under the registered `--offload-chunks` / `--offload-fraction`.
+"""The schedule plugin of the interaction matrix (megatron_pp/testing/interaction.py): loaded by
+`--schedule-plugin` with this file's path, like a user's own file, it registers `matrix-plugin`: 1F1B at one
+chunk per rank, interleaved 1F1B at more, with the offload pass on every rank under the registered
+`--offload-chunks` / `--offload-fraction`.
 
 Written the way users write plugins today (postponed annotations, a dataclass for the choice), so that a plugin
 loader that cannot import such a file fails the matrix, not a user.
