@@ -118,3 +118,10 @@ def test_gpt3_script_without_its_ramp_up_trains_shrunk_on_two_pipeline_ranks(tmp
     # --lr-warmup-fraction .001 of --lr-decay-iters 3: a warm-up of 0.003 iterations, over before step 1.
     assert rows[0]["lr"] < 6.0e-5 and rows[-1]["lr"] == pytest.approx(6.0e-6)
     assert all(0 < r["loss"] < 20 for r in rows)
+
+
+def test_docs_name_every_flag_of_both_scripts():
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        section = f.read().split("## Megatron-LM launch scripts", 1)[1].split("\n## ", 1)[0]
+    flags = {a for a in LLAMA3_8B_BF16 + FP8_BLOCK + GPT3_175B if a.startswith("--")}
+    assert sorted(f for f in flags if f"`{f}" not in section) == []
