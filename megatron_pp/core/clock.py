@@ -40,8 +40,9 @@ class ClockSync:
 
 
 def _cpu_group() -> Optional["dist.ProcessGroup"]:
-    """A group that sends CPU tensors: the default one on gloo, else a gloo group over the world."""
-    return None if comm.backend_name() == "gloo" else dist.new_group(backend="gloo")
+    """A group that sends CPU tensors: the default one where its backend takes CPU tensors (gloo), else a gloo
+    group over the world."""
+    return None if comm.backend_needs().device_type == "cpu" else dist.new_group(backend="gloo")
 
 
 def measure(clock: Optional[Callable[[], float]] = None, rounds: int = ROUNDS,

@@ -12,6 +12,7 @@ member, so single-process runs and tools pay nothing and need no guard of their 
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -42,10 +43,52 @@ def backend_name(group: Optional[ProcessGroup] = None) -> str:
     return str(dist.get_backend(group))
 
 
-def backend_device(group: Optional[ProcessGroup] = None) -> torch.device:
-    """The device a tensor must be on for a collective over `group`: the current CUDA device for NCCL, else CPU."""
-    if backend_name(group) == "nccl":
+@dataclass(frozen=True)
+class BackendNeeds:
+    """What a backend needs from the code that calls it; every choice of a code path reads these, never the
+    backend's name, so a backend not listed gets the path that works everywhere, not gloo's by default."""
+
+    device_type: Optional[str]
+    """Tensors must be on this device type ("cuda", "cpu"); None: any device (the tensor stays where it is)."""
+    batched_p2p: bool
+    """Point-to-point must be posted in groups (`batch_isend_irecv`) to be deadlock-free (NCCL); posting in
+    groups is right on every backend, posting one by one (and receives ahead) only where this is False."""
+    single_tensor_collectives: bool
+    """Has all-gather / reduce-scatter into one tensor worth using (else the list forms every backend has)."""
+    completes_at_once: bool = False
+    """Operations are done when posted and their works never report completion (torch's `fake` backend)."""
+
+
+# gloo: CPU tensors, each operation its own asynchronous work. fake (the dry run): no data moves, any device;
+# it takes NCCL's path (batches, single-tensor kernels), the one the GPU job it stands for takes.
+BACKEND_NEEDS = {
+    "nccl": BackendNeeds("cuda", batched_p2p=True, single_tensor_collectives=True),
+    "gloo": BackendNeeds("cpu", batched_p2p=False, single_tensor_collectives=False),
+    "fake": BackendNeeds(None, batched_p2p=True, single_tensor_collectives=True, completes_at_once=True),
+}
+_ANY_BACKEND = BackendNeeds(None, batched_p2p=True, single_tensor_collectives=False)
+
+
+def backend_needs(group: Optional[ProcessGroup] = None) -> BackendNeeds:
+    """`BACKEND_NEEDS` of `group`'s backend. A mixed backend ("cpu:gloo,cuda:nccl") routes CUDA tensors to
+    NCCL and CPU ones to gloo: batches (NCCL needs them), tensors on either device."""
+    name = backend_name(group).lower()
+    if name in BACKEND_NEEDS:
+        return BACKEND_NEEDS[name]
+    if "nccl" in name:
+        return BackendNeeds(None, batched_p2p=True, single_tensor_collectives=False)
+    return _ANY_BACKEND
+
+
+def backend_device(group: Optional[ProcessGroup] = None, tensor: Optional[torch.Tensor] = None) -> torch.device:
+    """The device a tensor must be on for a collective over `group`: the current CUDA device for NCCL, the
+    CPU for gloo (and without a process group); for a backend that takes any device, `tensor`'s own (the
+    CPU when no tensor is given)."""
+    kind = backend_needs(group).device_type if backend_name(group) != "none" else "cpu"
+    if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
+    if kind is None and tensor is not None:
+        return tensor.device
     return torch.device("cpu")
 
 
@@ -64,7 +107,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[ProcessGro
     """
     if world_size(group) == 1:
         return tensor
-    device = backend_device(group)
+    device = backend_device(group, tensor)
     if tensor.device == device:
         dist.all_reduce(tensor, op=_op(op), group=group)
         return tensor
@@ -93,7 +136,7 @@ def all_reduce_async(tensor: torch.Tensor, op: str = "sum", group: Optional[Proc
     """Start an all-reduce of `tensor`; the result lands in `tensor` (and is returned) by `.result()`."""
     if world_size(group) == 1:
         return PendingReduce(None, tensor, tensor)
-    device = backend_device(group)
+    device = backend_device(group, tensor)
     moved = tensor if tensor.device == device else tensor.to(device)
     return PendingReduce(dist.all_reduce(moved, op=_op(op), group=group, async_op=True), moved, tensor)
 
@@ -113,7 +156,7 @@ def barrier(group: Optional[ProcessGroup] = None) -> None:
     rank's own device (torch would otherwise guess one from the rank number)."""
     if world_size(group) == 1:
         return
-    if backend_name(group) == "nccl":
+    if backend_needs(group).device_type == "cuda":
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier(group=group)

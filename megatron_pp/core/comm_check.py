@@ -18,8 +18,9 @@ on cpu, the job's device is meta")`.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,3 +107,16 @@ class CommWatch(TorchDispatchMode):
         first = _tensors(args[0])
         self.events.append(CommEvent(op, group, peer, tuple(tuple(t.shape) for t in first),
                                      str(first[0].dtype).replace("torch.", "") if first else ""))
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank `rank` of a world of `world_size` on torch's `fake` backend (every collective
+    returns at once, nothing moves), torn down on exit so the next simulated rank gets a fresh world."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

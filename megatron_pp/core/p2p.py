@@ -26,6 +26,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_pp.core import comm
+
 
 @dataclass
 class Transfer:
@@ -142,18 +144,17 @@ def post_batch(
 
 
 def needs_batches(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether point-to-point on `group` must be posted in groups to be deadlock-free (NCCL); False on
-    gloo and without a process group (nothing to post)."""
+    """Whether point-to-point on `group` is posted in groups (`comm.BackendNeeds.batched_p2p`: NCCL, the fake
+    backend, any backend not known to take operations one by one); False on gloo and without a process group."""
     if not dist.is_initialized():
         return False
-    # A mixed backend ("cpu:gloo,cuda:nccl") routes CUDA tensors to NCCL: batch there too.
-    return "nccl" in str(dist.get_backend(group)).lower()
+    return comm.backend_needs(group).batched_p2p
 
 
 def completes_at_once(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether operations on `group` are complete when posted (torch's `fake` backend, which the dry run
     uses: nothing moves, and its works never report completion)."""
-    return dist.is_initialized() and str(dist.get_backend(group)).lower() == "fake"
+    return dist.is_initialized() and comm.backend_needs(group).completes_at_once
 
 
 def warm_up(group: Optional[dist.ProcessGroup], device: torch.device) -> None:

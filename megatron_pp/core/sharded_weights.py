@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_pp.core import comm
 from megatron_pp.core.distributed_optimizer import ShardedMainParams
 from megatron_pp.core.grads import GradBucket, GradientReducer
 
@@ -156,10 +157,10 @@ class ShardedWeights:
             if self.on_gathered is not None:
                 self.on_gathered(self.buckets[b].params)
             return
-        if dist.get_backend(self.group) == "nccl":
+        if comm.backend_needs(self.group).single_tensor_collectives:
             gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             work = gather_into(flat, shard, group=self.group, async_op=True)
-        else:  # gloo: the list form, writing straight into the buffer's slices
+        else:  # gloo and unknown backends: the list form, writing straight into the buffer's slices
             work = dist.all_gather(list(flat.chunk(self.dp_size)), shard, group=self.group, async_op=True)
         self._pending[b] = work
 

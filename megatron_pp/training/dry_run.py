@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_pp.core.comm_check import CommEvent, CommWatch
+from megatron_pp.core import comm
+from megatron_pp.core.comm_check import CommEvent, CommWatch, fake_world
 from megatron_pp.core.grads import unique_parameters
 from megatron_pp.core.parallel_state import ParallelState, RankLayout
 from megatron_pp.core.storage import storage_key
@@ -127,6 +127,9 @@ class RankReport:
     peak_bytes: int
     peak_at: str
     seconds: float
+    """CPU seconds of the whole rank (process time): groups, model, optimizer, the steps."""
+    step_seconds: list[float] = field(default_factory=list)
+    """CPU seconds of each step (forward, backward and reduction through the executor, then the optimizer)."""
     comm: list[CommEvent] = field(default_factory=list, repr=False)
 
     def row(self) -> dict:
@@ -186,11 +189,8 @@ def _not_in(tensors, others) -> list[torch.Tensor]:
 
 def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: int = 2) -> RankReport:
     """The job's code on global rank `rank` of a world of `args.dry_run`, on fake tensors."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     world, started = args.dry_run, time.process_time()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
+    with fake_world(rank, world):
         mode = FakeTensorMode()
         tracker = MemoryTracker()
         watch = CommWatch(device=device if device.type == "meta" else None)
@@ -201,8 +201,6 @@ def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: i
         report.comm = watch.events
         report.seconds = time.process_time() - started
         return report
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: MemoryTracker,
@@ -239,10 +237,13 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: Me
     _label_actions(pipe.executor, tracker, step)
     stash_at_peak = [0]
     tracker.on_peak = lambda: stash_at_peak.__setitem__(0, pipe.executor.store.live_bytes)
+    step_seconds = []
     for step[0] in range(1, steps + 1):
+        began = time.process_time()
         train_step(pipe, batches, optimizer)
         tracker.where = f"step {step[0]}, optimizer"
         optimizer.step(args.lr)
+        step_seconds.append(time.process_time() - began)
     model_params = list(unique_parameters(pipe.chunks))
     params = _bytes_of(model_params)
     grads = _bytes_of(b.grad for b in optimizer.reducer.buckets)
@@ -253,7 +254,7 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: Me
         parameter_bytes=params, gradient_bytes=grads, optimizer_bytes=opt,
         stash_peak_bytes=pipe.executor.store.peak_bytes,
         transient_peak_bytes=max(tracker.peak_bytes - persistent - stash_at_peak[0], 0),
-        peak_bytes=tracker.peak_bytes, peak_at=tracker.peak_at, seconds=0.0)
+        peak_bytes=tracker.peak_bytes, peak_at=tracker.peak_at, seconds=0.0, step_seconds=step_seconds)
 
 
 # The command ---------------------------------------------------------------------------------------------
@@ -287,7 +288,7 @@ def dry_run(args: argparse.Namespace) -> tuple[list[RankReport], list[str]]:
 
 def main(args: argparse.Namespace) -> int:
     """`pretrain_*.py ... --dry-run N`: print the table, write `--dry-run-json`; 0, or 1 when ranks disagree."""
-    if dist.is_initialized():
+    if comm.backend_name() != "none":
         print("error: --dry-run runs in one process: do not launch it with torchrun or srun")
         return 2
     reports, problems = dry_run(args)

@@ -17,11 +17,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_pp.core import comm
+
 ProcessGroup = dist.ProcessGroup
 
 # Backends with single-tensor all-gather / reduce-scatter kernels worth using. Anything else falls back
 # to list all-gather and all-reduce + slice, which every backend supports.
-_BACKENDS_WITH_SINGLE_TENSOR_COLLECTIVES = frozenset({"nccl"})
+_BACKENDS_WITH_SINGLE_TENSOR_COLLECTIVES = frozenset(
+    name for name, needs in comm.BACKEND_NEEDS.items() if needs.single_tensor_collectives)
 
 # torch renamed all_gather_into_tensor / reduce_scatter_tensor to *_single; take whichever exists.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
