@@ -1,0 +1,122 @@
+"""Full-size configurations: the dry run's per-rank memory beside the planner's, as JSON and a Markdown table.
+
+    python tools/dry_run_table.py --out docs/results/dry_run_table.json
+    python tools/dry_run_table.py --configs llama3-70b-1f1b --ranks all --out docs/results/dry_run_bench.json
+
+Each configuration is run through the training script's own `--dry-run` path (`training.dry_run.dry_run`:
+argument validation, process groups on the fake backend, the model, the optimizer, two steps) for its
+default ranks (one per pipeline rank) or `--ranks all`, and through the planner's `Evaluator` (bf16,
+flash-style attention: what SDPA's fused kernel saves, which is what the dry run's CPU SDPA saves too).
+Dropout is off in every row (SDPA's CPU kernel with attention dropout is the math fallback, whose saved
+tensors the planner does not model). The JSON keeps every rank's bytes and CPU seconds; `docs/dry_run.md`
+quotes it. CPU seconds are process time, so a loaded machine slows the wall clock, not them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_pp.planning.cost import Evaluator  # noqa: E402
+from megatron_pp.planning.efficiency import HARDWARE_PROFILES  # noqa: E402
+from megatron_pp.planning.job import Cluster, Configuration, Job  # noqa: E402
+from megatron_pp.training import dry_run  # noqa: E402
+from megatron_pp.training.arguments import model_config_from_args, parse_args  # noqa: E402
+
+# name -> (preset, tp, pp, schedule, micro batch, global batch, seq, extra flags)
+CONFIGS = {
+    "llama3-70b-1f1b": ("llama3-70b", 8, 8, "1f1b", 1, 64, 4096, []),
+    "llama3-70b-interleaved": ("llama3-70b", 8, 8, "interleaved-1f1b", 1, 64, 4096,
+                               ["--num-layers-per-virtual-pipeline-stage", "5"]),
+    "llama3-70b-zb-h1": ("llama3-70b", 8, 8, "zb-h1", 1, 64, 4096, []),
+    "gpt3-175b-1f1b": ("gpt3-175b", 8, 16, "1f1b", 1, 64, 2048, []),
+}
+
+
+def argv_of(name: str) -> list[str]:
+    preset, tp, pp, schedule, b, gbs, seq, extra = CONFIGS[name]
+    return ["--model-preset", preset, "--mock-data", "--bf16", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--pipeline-schedule", schedule,
+            "--micro-batch-size", str(b), "--global-batch-size", str(gbs), "--seq-length", str(seq),
+            "--max-position-embeddings", str(seq), "--attention-dropout", "0", "--hidden-dropout", "0",
+            "--sequence-parallel", "--train-iters", "2", "--dry-run", str(tp * pp), *extra]
+
+
+def planner_row(args: argparse.Namespace, num_chunks: int) -> dict:
+    """The planner's per-pipeline-rank bytes for the same configuration (H100 80 GB, flash attention)."""
+    config = model_config_from_args(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    job = Job(args.model_preset, config, args.global_batch_size, attention_backend="flash")
+    cluster = Cluster(tp * pp, HARDWARE_PROFILES["h100-sxm"])
+    c = Configuration(tp=tp, pp=pp, dp=1, micro_batch_size=args.micro_batch_size, recompute="none",
+                      schedule=args.pipeline_schedule, num_chunks=num_chunks)
+    p = Evaluator(job, cluster).evaluate(c, exact=True)
+    return {"state_bytes": list(p.state_bytes), "stash_bytes": list(p.stash_bytes),
+            "transient_bytes": p.transient_bytes, "memory_bytes": list(p.memory_bytes),
+            "reserve_note": "memory_bytes excludes the planner's reserved fraction of the device"}
+
+
+def run(name: str, ranks: str | None) -> dict:
+    argv = argv_of(name) + (["--dry-run-ranks", ranks] if ranks else [])
+    args = parse_args(argv)
+    began_wall, began_cpu = time.perf_counter(), time.process_time()
+    reports, problems = dry_run.dry_run(args)
+    wall, cpu = time.perf_counter() - began_wall, time.process_time() - began_cpu
+    from megatron_pp.training.arguments import num_chunks
+    chunks = num_chunks(args, model_config_from_args(args))
+    try:
+        planner = planner_row(args, chunks)
+    except Exception as err:  # noqa: BLE001 - a schedule the planner cannot model is reported, not fatal
+        planner = {"error": f"{type(err).__name__}: {err}"}
+    return {"name": name, "command": "python pretrain_llama.py " + " ".join(argv), "ranks": [r.row() for r in reports],
+            "disagreements": problems, "planner": planner, "cpu_seconds": cpu, "wall_seconds": wall}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| configuration | pp rank | dry run peak (GiB) | planner (GiB) | planner / dry run | stash dry run = planner |",
+             "|---|---|---|---|---|---|"]
+    for res in results:
+        plan = res["planner"]
+        for r in res["ranks"]:
+            p = r["pipeline_rank"]
+            mine = r["peak_bytes"] / 2**30
+            if "memory_bytes" in plan:
+                theirs = plan["memory_bytes"][p] / 2**30
+                same = "yes" if int(plan["stash_bytes"][p]) == r["stash_peak_bytes"] else (
+                    f"{r['stash_peak_bytes'] / 2**30:.2f} vs {plan['stash_bytes'][p] / 2**30:.2f}")
+                lines.append(f"| {res['name']} | {p} | {mine:.2f} | {theirs:.2f} | {theirs / mine:.3f} | {same} |")
+            else:
+                lines.append(f"| {res['name']} | {p} | {mine:.2f} | {plan['error']} | | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--ranks", default=None, help="--dry-run-ranks for every configuration (default: one per pp rank)")
+    parser.add_argument("--out", default=None, help="JSON file to write")
+    args = parser.parse_args(argv)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"error: --configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})", file=sys.stderr)
+        return 2
+    results = []
+    for name in names:
+        results.append(run(name, args.ranks))
+        print(f"{name}: {len(results[-1]['ranks'])} ranks, {results[-1]['cpu_seconds']:.1f} CPU s", flush=True)
+    print(markdown(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                              "note": "CPU seconds are process time on a shared 2-core machine",
+                                              "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
