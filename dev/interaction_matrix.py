@@ -82,14 +82,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a bug in the run is a failed case, with its traceback
                 outcome, detail = "failed", "".join(traceback.format_exception_only(exc)).strip()[:500]
             report.append({"case": job.name, "world": job.world, "outcome": outcome, "detail": detail,
+                           "deviation": runner.deviations.get(job.name),
                            "wall_s": round(time.perf_counter() - start, 2)})
             print(f"{outcome:8s} {job.name}" + (f": {detail}" if detail else ""), flush=True)
     finally:
         shutdown_pools()
     counts = {k: sum(r["outcome"] == k for r in report) for k in ("ran", "refused", "failed")}
+    largest = {p: {k: max((r["deviation"][k] for r in report if r["deviation"] and r["case"].startswith(p)),
+                          default=None) for k in ("loss", "grad_norm")} for p in ("fp32", "bf16", "fp16")}
     summary = {"seed": seed, "arrays": args.arrays, "candidates": args.candidates, "cases": len(report),
-               "skipped_pairs": interaction.skipped_pairs(), **counts, "results": report}
-    print(f"{len(report)} cases: {counts['ran']} ran, {counts['refused']} refused, {counts['failed']} failed")
+               "skipped_pairs": interaction.skipped_pairs(), **counts,
+               "largest_relative_deviation_from_reference": largest, "results": report}
+    print(f"{len(report)} cases: {counts['ran']} ran, {counts['refused']} refused, {counts['failed']} failed; "
+          f"largest relative deviation from the reference (loss, grad norm): {largest}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -41,8 +41,10 @@ def test_stale_cell_is_reported_in_one_line(tmp_path, generated, capsys, monkeyp
     doc = (tmp_path / "schedules.md")
     stale = generated.replace("| `2bw` | no (1) |", "| `2bw` | yes |", 1)
     assert stale != generated
-    doc.write_text(f"intro\n{schedule_matrix.BEGIN}\n{stale}{schedule_matrix.END}\nafter\n")
+    refusals = f"{schedule_matrix.REFUSALS_BEGIN}\n{schedule_matrix.render_refusals([])}{schedule_matrix.REFUSALS_END}\n"
+    doc.write_text(f"intro\n{schedule_matrix.BEGIN}\n{stale}{schedule_matrix.END}\n{refusals}after\n")
     monkeypatch.setattr(schedule_matrix, "matrix", lambda: _rows_of(generated))
+    monkeypatch.setattr(schedule_matrix, "interaction_refusals", lambda: [])
     assert schedule_matrix.main(["--check", "--doc", str(doc)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1 cell(s) differ" in err[0] and "`2bw` x virtual stages (v = 2)" in err[0], err
@@ -82,3 +84,22 @@ def test_a_plugin_schedule_gets_the_row_of_what_it_builds():
         unregister_schedule("plugin-gpipe")
     rows = dict(zip(labels, cells))
     assert rows["`plugin-gpipe`"] == rows["`gpipe`"]
+
+
+def test_interaction_refusals_are_listed_and_a_stale_list_is_one_line(tmp_path, generated, capsys, monkeypatch):
+    """The interaction matrix's refused cases (megatron_pp/testing/interaction.py) are a second generated block:
+    each names its case and the refusal line (no temporary or machine paths); a missing row fails --check."""
+    refused = schedule_matrix.interaction_refusals()
+    assert refused and all("2bw" in name and "zero1" in name for name, _ in refused)
+    assert all("--use-distributed-optimizer" in line and "/tmp" not in line for _, line in refused)
+    block = schedule_matrix.render_refusals(refused)
+    doc = tmp_path / "schedules.md"
+    doc.write_text(f"{schedule_matrix.BEGIN}\n{generated}{schedule_matrix.END}\n"
+                   f"{schedule_matrix.REFUSALS_BEGIN}\n{block}{schedule_matrix.REFUSALS_END}\n")
+    monkeypatch.setattr(schedule_matrix, "matrix", lambda: _rows_of(generated))
+    monkeypatch.setattr(schedule_matrix, "interaction_refusals", lambda: refused)
+    assert schedule_matrix.main(["--check", "--doc", str(doc)]) == 0
+    doc.write_text(doc.read_text().replace(block.splitlines()[-1] + "\n", ""))
+    assert schedule_matrix.main(["--check", "--doc", str(doc)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interaction-matrix refusals are stale (1 row(s) differ" in err[0], err
