@@ -23,7 +23,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
-from megatron_pp.data.builder import BadLine, preprocess_jsonl  # noqa: E402
+from megatron_pp.data.preprocess import BadLine, preprocess_jsonl  # noqa: E402
 from megatron_pp.data.tokenizers import TOKENIZER_TYPES, check_tokenizer_args  # noqa: E402
 
 _PROG = "preprocess_data.py"
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     parser.add_argument("--eod-token", default=None, help="end-of-document token (default: <|endoftext|>, </s> "
                                                           "or the tokenizer's eos token)")
+    parser.add_argument("--no-special-tokens", action="store_true",
+                        help="HuggingFaceTokenizer: do not add the tokenizer's special tokens (e.g. BOS) to each "
+                             "document; Megatron-LM adds them, so the default does too")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     parser.add_argument("--skip-bad-lines", action="store_true",
@@ -83,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         tokenizer_args = dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                               vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                              eod_token=args.eod_token)
+                              eod_token=args.eod_token, add_special_tokens=not args.no_special_tokens)
         result = preprocess_jsonl(args.input, args.output_prefix, tokenizer_args, json_keys=args.json_keys,
                                   append_eod=args.append_eod, workers=args.workers,
                                   skip_bad_lines=args.skip_bad_lines, on_bad_line=report,

@@ -23,7 +23,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from megatron_pp.cli import OneLineArgumentParser, UsageError  # noqa: E402
-from megatron_pp.data.builder import BadLine, iter_corpus_texts  # noqa: E402
+from megatron_pp.data.preprocess import BadLine, iter_corpus_texts  # noqa: E402
 from megatron_pp.data.tokenizers import describe_tokenizer_files, train_bpe, train_sentencepiece  # noqa: E402
 
 _PROG = "train_tokenizer.py"

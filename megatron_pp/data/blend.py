@@ -20,7 +20,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_pp.data import megatron_order
 from megatron_pp.data.gpt_dataset import GPTDataset, IndexCache, make_batch
+from megatron_pp.data.megatron_cache import blend_matcher, use_megatron_cache
 
 # Bump when blend_index changes: cached blend indices are then rebuilt.
 BLEND_VERSION = 1
@@ -96,6 +98,21 @@ def cached_blend_index(weights: Sequence[float], num_samples: int, cache: IndexC
         name, description, ("dataset_index", "dataset_sample_index"),
         lambda: dict(zip(("dataset_index", "dataset_sample_index"), blend_index(weights, num_samples))),
     )
+    return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+
+def cached_megatron_blend(weights: Sequence[float], size: int, cache: IndexCache, name: str,
+                          prefixes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron-LM's greedy blend (`megatron_order.blending_indices`) of `size` samples, built once by the
+    builder rank; Megatron-LM's own cached blend for the same datasets and size is used when identical."""
+    description = {"kind": "blend", "order": "megatron", "version": BLEND_VERSION,
+                   "weights": [float(w) for w in weights], "size": size}
+    arrays = cache.load_or_build(
+        name, description, ("dataset_index", "dataset_sample_index"),
+        lambda: dict(zip(("dataset_index", "dataset_sample_index"), megatron_order.blending_indices(weights, size))),
+    )
+    split_name = name.removeprefix("blend-")
+    arrays = use_megatron_cache(cache.directory, "BlendedDataset", split_name, blend_matcher(prefixes, size), arrays)
     return arrays["dataset_index"], arrays["dataset_sample_index"]
 
 

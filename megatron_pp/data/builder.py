@@ -1,19 +1,15 @@
-"""From corpus to training splits: preprocessing JSON lines into `.bin/.idx`, and `.bin/.idx` into the
-train/valid/test datasets the training loop reads.
+"""From `.bin/.idx` to the train/valid/test datasets the training loop reads: `DataConfig` holds
+Megatron's data flags (and `--data-order`); `check_data_args` finds every problem with them without
+reading any data, so a mistyped path fails before a process group exists; `build_datasets` splits each
+dataset's sequences by `--split` (with `--train-data-path` etc. each split has its own datasets
+instead), blends several datasets by weight and builds the cached indices (rank 0 builds, the others
+wait at `barrier`).
 
-Two halves, each behind one function:
-
-- `preprocess_jsonl` (behind `tools/preprocess_data.py`): reads `.jsonl`, `.jsonl.gz` or `.jsonl.zst`,
-  tokenizes the `--json-keys` fields of every line in worker processes (results kept in input order,
-  so any `--workers` gives the same bytes) and writes `{output_prefix}_{key}_document.bin/.idx`, as
-  Megatron-LM names them. A line that is not valid UTF-8 JSON with the keys as strings is a *bad line*:
-  fatal by default, skipped and reported with its line number with `skip_bad_lines`.
-- `build_datasets` (behind `--data-path` and friends): `DataConfig` holds Megatron's data flags;
-  `check_data_args` finds every problem with them without reading any data, so a mistyped path fails
-  before a process group exists; `build_datasets` splits each dataset's documents by `--split`
-  ("969,30,1" → the first 96.9 % of documents train, the next 3 % validate, the rest test; with
-  `--train-data-path` etc. each split has its own datasets instead), blends several datasets by
-  weight and builds the cached indices (rank 0 builds, the others wait at `barrier`).
+Two orders: `megatron` (default) reads the samples Megatron-LM reads for the same flags
+(`megatron_order.py`: its split rounding, one shuffle of all full epochs with a short last epoch apart,
+its greedy blend with a 0.5 % surplus per member); `epoch-exact` reads every token once per epoch
+(`gpt_dataset.build_sample_index`, `blend.blend_index`). Preprocessing JSON lines into `.bin/.idx` is
+`preprocess.py`'s job.
 
 Index caches go to `--data-cache-path`, by default an `index-cache` directory next to each dataset.
 """
@@ -21,300 +17,25 @@ from __future__ import annotations
 
 import argparse
 import ast
-import collections
 import dataclasses
-import gzip
 import inspect
-import io
-import json
 import math
-import multiprocessing as mp
 import os
 import re
-import sys
 import warnings
-from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
-import zstandard
-from tqdm import tqdm
 
-from megatron_pp.data.blend import BlendedDataset, cached_blend_index, parse_blend
-from megatron_pp.data.gpt_dataset import BatchOptions, GPTDataset, IndexCache
-from megatron_pp.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, data_file_paths
-from megatron_pp.data.tokenizers import Tokenizer, build_tokenizer, check_tokenizer_args
+from megatron_pp.data import megatron_order
+from megatron_pp.data.blend import BlendedDataset, cached_blend_index, cached_megatron_blend, parse_blend
+from megatron_pp.data.gpt_dataset import DATA_ORDERS, BatchOptions, DataFlagError, GPTDataset, IndexCache
+from megatron_pp.data.indexed import IndexedDataset, data_file_paths
+from megatron_pp.data.tokenizers import check_tokenizer_args
 
 SPLIT_NAMES = ("train", "valid", "test")
 CACHE_DIR_NAME = "index-cache"
-
-# ------------------------------------------------------------------------------------------------
-# Reading JSON-lines corpora
-# ------------------------------------------------------------------------------------------------
-
-
-def open_corpus(path: str) -> BinaryIO:
-    """Binary stream of a corpus file, decompressing `.gz` and `.zst` by suffix."""
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        return io.BufferedReader(_ZstdFrames(path), buffer_size=1 << 20)
-    return open(path, "rb")
-
-
-class _ZstdFrames(io.RawIOBase):
-    """Every frame of a .zst file, decompressed, raising EOFError on a truncated last frame.
-
-    zstandard's own stream reader ends quietly at a truncated frame, which would turn a damaged
-    corpus into a silently shorter dataset.
-    """
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self._file = open(path, "rb")
-        self._context = zstandard.ZstdDecompressor()
-        self._frame = self._context.decompressobj()
-        self._frame_started = False
-        self._out = b""
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while self._pos == len(self._out):
-            data = self._file.read(1 << 20)
-            if not data:
-                if self._frame_started:
-                    raise EOFError("the last zstd frame is truncated")
-                return 0
-            self._out, self._pos = self._decompress(data), 0
-        count = min(len(buffer), len(self._out) - self._pos)
-        buffer[:count] = self._out[self._pos : self._pos + count]
-        self._pos += count
-        return count
-
-    def _decompress(self, data: bytes) -> bytes:
-        pieces = []
-        while data:
-            self._frame_started = True
-            pieces.append(self._frame.decompress(data))
-            data = b""
-            if self._frame.eof:  # a frame ended inside this chunk: the rest begins the next one
-                data = self._frame.unused_data
-                self._frame = self._context.decompressobj()
-                self._frame_started = False
-        return b"".join(pieces)
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
-
-
-class BadLine(ValueError):
-    """A corpus line that cannot be used; `line` is 1-based."""
-
-    def __init__(self, path: str, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
-        self.path, self.line, self.reason = path, line, reason
-
-
-def parse_json_line(raw: bytes, keys: Sequence[str]) -> list[str]:
-    """The string values of `keys` in one JSON-lines record; ValueError with the reason otherwise."""
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"a JSON {_json_type(record)}, not an object")
-    texts = []
-    for key in keys:
-        if key not in record:
-            raise ValueError(f"no key {key!r}")
-        if not isinstance(record[key], str):
-            raise ValueError(f"{key!r} is a JSON {_json_type(record[key])}, not a string")
-        texts.append(record[key])
-    return texts
-
-
-def _json_type(value: object) -> str:
-    """JSON's name for the type of a decoded value."""
-    if isinstance(value, bool):
-        return "boolean"
-    names = {int: "number", float: "number", list: "array", dict: "object", str: "string", type(None): "null"}
-    return names[type(value)]
-
-
-def numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw line) of every non-blank line; blank lines carry no document."""
-    number = 0
-    try:
-        with open_corpus(path) as f:
-            for number, raw in enumerate(f, 1):
-                if raw.strip():
-                    yield number, raw
-    except (OSError, EOFError, zstandard.ZstdError) as exc:  # a truncated or corrupt .gz/.zst
-        raise ValueError(f"{path}: unreadable after line {number}: {exc}") from None
-
-
-def iter_corpus_texts(paths: Sequence[str], keys: Sequence[str], *, skip_bad_lines: bool = False,
-                      on_bad_line: Optional[Callable[[BadLine], None]] = None) -> Iterator[str]:
-    """Every `keys` field of every record of the JSON-lines files `paths`, in order.
-
-    A bad line raises `BadLine`, or with `skip_bad_lines` goes to `on_bad_line` and is skipped.
-    """
-    for path in paths:
-        for number, raw in numbered_lines(path):
-            try:
-                texts = parse_json_line(raw, keys)
-            except ValueError as exc:
-                bad = BadLine(path, number, str(exc))
-                if not skip_bad_lines:
-                    raise bad from None
-                if on_bad_line is not None:
-                    on_bad_line(bad)
-                continue
-            yield from texts
-
-
-# ------------------------------------------------------------------------------------------------
-# Preprocessing: JSON lines -> .bin/.idx
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PreprocessResult:
-    outputs: dict[str, str]
-    """json key -> output prefix written."""
-    documents: int
-    """Documents written per output (one per good line)."""
-    tokens: dict[str, int]
-    """json key -> tokens written."""
-    bad_lines: list[BadLine]
-    """Lines skipped (only with skip_bad_lines)."""
-    dtype: str
-    """Token dtype of the .bin files."""
-
-
-# Per worker process: (tokenizer, json keys, append_eod, dtype), set by _init_worker.
-_worker: Optional[tuple[Tokenizer, tuple[str, ...], bool, np.dtype]] = None
-
-
-def _init_worker(tokenizer_args: dict, keys: tuple[str, ...], append_eod: bool) -> None:
-    global _worker
-    tokenizer = build_tokenizer(**tokenizer_args)
-    _worker = (tokenizer, keys, append_eod, best_dtype(tokenizer.vocab_size))
-
-
-def _tokenize_lines(chunk: list[tuple[int, bytes]]) -> list[tuple[int, Optional[list[np.ndarray]], str]]:
-    """(line number, one id array per key or None, bad-line reason) for each line of the chunk."""
-    assert _worker is not None, "_init_worker must run first"
-    tokenizer, keys, append_eod, dtype = _worker
-    out: list[tuple[int, Optional[list[np.ndarray]], str]] = []
-    for number, raw in chunk:
-        try:
-            texts = parse_json_line(raw, keys)
-            arrays = []
-            for text in texts:
-                ids = tokenizer.tokenize(text)
-                if append_eod:
-                    ids.append(tokenizer.eod)
-                arrays.append(np.asarray(ids, dtype=dtype))
-        except ValueError as exc:  # bad JSON, or text this tokenizer rejects (NullTokenizer)
-            out.append((number, None, str(exc)))
-            continue
-        out.append((number, arrays, ""))
-    return out
-
-
-def _chunks(lines: Iterator[tuple[int, bytes]], size: int) -> Iterator[list[tuple[int, bytes]]]:
-    chunk: list[tuple[int, bytes]] = []
-    for item in lines:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def _ordered_results(chunks: Iterator[list], workers: int, initargs: tuple) -> Iterator[list]:
-    """`_tokenize_lines` of each chunk, in input order, on `workers` processes (1: in this process).
-
-    At most 4 chunks per worker are in flight, so memory stays bounded however large the input
-    (Pool.imap would read the whole file ahead).
-    """
-    if workers == 1:
-        _init_worker(*initargs)
-        yield from map(_tokenize_lines, chunks)
-        return
-    # fork shares the already imported modules; spawn (elsewhere) would re-import torch per worker.
-    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
-        pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_tokenize_lines, (chunk,)))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron's output naming: `{output_prefix}_{key}_document`."""
-    return f"{output_prefix}_{key}_document"
-
-
-def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_args: dict, *, json_keys: Sequence[str] = ("text",),
-                     append_eod: bool = False, workers: int = 1, skip_bad_lines: bool = False,
-                     on_bad_line: Optional[Callable[[BadLine], None]] = None, progress: bool = False,
-                     lines_per_chunk: int = 256) -> PreprocessResult:
-    """Tokenize a JSON-lines corpus into one indexed dataset per json key (see the module doc).
-
-    `tokenizer_args` are `build_tokenizer`'s keyword arguments (each worker builds its own). Nothing
-    is written unless the whole input succeeds.
-    """
-    if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
-    keys = tuple(json_keys)
-    if not keys or len(set(keys)) != len(keys):
-        raise ValueError(f"--json-keys must be distinct and non-empty, got {list(keys)}")
-    dtype = best_dtype(build_tokenizer(**tokenizer_args).vocab_size)
-    outputs = {key: output_prefix_for(output_prefix, key) for key in keys}
-    tokens = dict.fromkeys(keys, 0)
-    bad_lines: list[BadLine] = []
-    documents = 0
-    with ExitStack() as stack:
-        writers = [stack.enter_context(IndexedDatasetWriter(outputs[key], dtype)) for key in keys]
-        bar = stack.enter_context(tqdm(unit=" docs", disable=not progress, file=sys.stderr, desc=input_path))
-        chunks = _chunks(numbered_lines(input_path), lines_per_chunk)
-        # closing(): on an error below, stop the worker pool now rather than when garbage is collected.
-        ordered = stack.enter_context(closing(_ordered_results(chunks, workers, (tokenizer_args, keys, append_eod))))
-        for results in ordered:
-            for number, arrays, reason in results:
-                if arrays is None:
-                    bad = BadLine(input_path, number, reason)
-                    if not skip_bad_lines:
-                        raise bad
-                    bad_lines.append(bad)
-                    if on_bad_line is not None:
-                        on_bad_line(bad)
-                    continue
-                for key, writer, array in zip(keys, writers, arrays):
-                    writer.add_document(array)
-                    tokens[key] += len(array)
-                documents += 1
-            bar.update(len(results))
-    return PreprocessResult(outputs, documents, tokens, bad_lines, dtype.name)
-
-
-# ------------------------------------------------------------------------------------------------
-# Configuration and flags
-# ------------------------------------------------------------------------------------------------
-
 
 @dataclass
 class DataConfig:
@@ -356,6 +77,10 @@ class DataConfig:
     """NullTokenizer's vocabulary (Megatron reuses --vocab-size)."""
     eod_token: Optional[str] = field(default=None, metadata={"flag": "--eod-token"})
     """End-of-document token (default: <|endoftext|>, </s> or the tokenizer's eos token)."""
+    data_order: str = field(default="megatron", metadata={"flag": "--data-order", "choices": DATA_ORDERS})
+    """Sample order: 'megatron' reads the samples Megatron-LM reads for the same flags, in its order (one
+    shuffle over all full epochs, a short last epoch shuffled apart, its greedy blend); 'epoch-exact'
+    reshuffles every epoch and reads every token once per epoch, blends by due time (docs/data.md)."""
 
     def tokenizer_args(self) -> dict:
         """Keyword arguments of `build_tokenizer` for this config."""
@@ -389,7 +114,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, nargs=f.metadata["nargs"], default=default, help=docs[f.name])
         else:
             default = f.default if f.default is not dataclasses.MISSING else None
-            group.add_argument(flag, dest=f.name, default=default, help=docs[f.name])
+            group.add_argument(flag, dest=f.name, default=default, choices=f.metadata.get("choices"),
+                               help=docs[f.name])
 
 
 def data_config_from_args(args: argparse.Namespace, *, seq_length: int, vocab_size: Optional[int] = None) -> DataConfig:
@@ -507,6 +233,8 @@ def _dataset_errors(config: DataConfig, mock_data: bool) -> list[str]:
 Dataset = GPTDataset | BlendedDataset
 # One blend member of a split: (dataset, weight or None for "by token count", document range).
 _Part = tuple[IndexedDataset, Optional[float], tuple[int, int]]
+# Megatron-LM's: (dataset, weight as written or None, sequence range or None where --split gives no share).
+_MegatronPart = tuple[IndexedDataset, Optional[float], Optional[tuple[int, int]]]
 
 
 def _cache_for(config: DataConfig, prefix: str, is_builder: bool, barrier: Optional[Callable[[], None]]) -> IndexCache:
@@ -554,6 +282,86 @@ def _build_split(name: str, parts: list[_Part], num_samples: int, config: DataCo
     return BlendedDataset([gpt(part, int(c)) for part, c in zip(usable, counts)], dataset_index, sample_index)
 
 
+def _raw_weights(values: Sequence[str], flag: str) -> Optional[list[float]]:
+    """The weights of a blend list as written (Megatron-LM normalises them itself, twice)."""
+    _, weights = parse_blend(values, flag)
+    return None if weights is None else [float(v) for v in list(values)[0::2]]
+
+
+def _build_megatron_split(name: str, flag: str, parts: list[_MegatronPart], num_samples: int, config: DataConfig,
+                          options: BatchOptions, is_builder: bool,
+                          barrier: Optional[Callable[[], None]]) -> Optional[Dataset]:
+    """Megatron-LM's dataset of one split (megatron_order.py's module doc): a single dataset, a weighted
+    blend of members built with a surplus, or an unweighted blend of one epoch of each member."""
+    if num_samples <= 0 or not parts or any(bounds is None for _, _, bounds in parts):
+        return None  # a zero --split share: Megatron-LM builds no such split either
+    parts = [part for part in parts if part[1] != 0]
+    for dataset, _, (start, stop) in parts:  # type: ignore[misc]
+        if int(dataset.sequence_lengths[start:stop].sum(dtype=np.int64)) < 2:
+            raise DataFlagError(f"{flag}: --split {config.split} leaves {dataset.prefix} {stop - start} sequences "
+                                f"for its {name} split, too few tokens for one sample; change --split")
+
+    def gpt(part: _MegatronPart, count: Optional[int]) -> GPTDataset:
+        dataset, _, document_range = part
+        return GPTDataset(dataset, document_range, count, seq_length=config.seq_length,  # type: ignore[arg-type]
+                          seed=config.seed, options=options, split_name=name, order="megatron",
+                          cache=_cache_for(config, dataset.prefix, is_builder, barrier))
+
+    weights = [weight for _, weight, _ in parts]
+    if len(parts) == 1 and weights[0] is None:
+        return gpt(parts[0], num_samples)
+    if weights[0] is None:  # weighted by their sample counts, one epoch each
+        members = [gpt(part, None) for part in parts]
+        blend_weights: list[float] = [float(len(member)) for member in members]
+        size = min(num_samples, int(sum(blend_weights)))
+        if size < num_samples:
+            raise DataFlagError(f"{flag}: unweighted datasets give one epoch each, {size} {name} samples, fewer than "
+                                f"the {num_samples} the run needs (Megatron-LM stops there too); give weights")
+    else:
+        taken, built = megatron_order.blend_sizes(weights, num_samples)  # type: ignore[arg-type]
+        members = [gpt(part, count) for part, count in zip(parts, built)]
+        blend_weights, size = megatron_order.normalise(weights), sum(taken)  # type: ignore[arg-type]
+    prefixes = [dataset.prefix for dataset, _, _ in parts]
+    dataset_index, sample_index = cached_megatron_blend(
+        blend_weights, size, _cache_for(config, prefixes[0], is_builder, barrier), f"blend-{name}", prefixes)
+    return BlendedDataset(members, dataset_index, sample_index)
+
+
+def _megatron_parts(config: DataConfig, open_dataset: Callable[[str], IndexedDataset]) -> list[list[_MegatronPart]]:
+    """Each split's members: (dataset, weight as written or None, sequence range or None for a zero share)."""
+    parts: list[list[_MegatronPart]] = [[], [], []]
+    if config.data_path:
+        prefixes, _ = parse_blend(config.data_path, "--data-path")
+        weights = _raw_weights(config.data_path, "--data-path")
+        for i, prefix in enumerate(prefixes):
+            dataset = open_dataset(prefix)
+            for k, bounds in enumerate(megatron_order.split_bounds(config.split, len(dataset))):
+                parts[k].append((dataset, None if weights is None else weights[i], bounds))
+        return parts
+    for k, (flag, paths) in enumerate(_split_paths(config).items()):
+        if paths:
+            prefixes, _ = parse_blend(paths, flag)
+            weights = _raw_weights(paths, flag)
+            for i, prefix in enumerate(prefixes):
+                dataset = open_dataset(prefix)
+                parts[k].append((dataset, None if weights is None else weights[i], (0, len(dataset))))
+    return parts
+
+
+def split_sample_counts(train_samples: int, global_batch_size: int, eval_iters: int, eval_interval: Optional[int],
+                        train_iters: int) -> tuple[int, int, int]:
+    """Samples asked of (train, valid, test), as Megatron-LM asks them: the validation set holds one block of
+    `eval_iters` global batches per evaluation (every `eval_interval` iterations, and one at the end), read
+    one block after another; the test set one block. Their counts set the epochs, hence the order.
+
+    Example: 100 iterations of 16, eval every 40 for 5 iterations → (1600, (100 // 40 + 1)·5·16 = 240, 80).
+    """
+    if not eval_interval or eval_iters <= 0:
+        return train_samples, 0, 0
+    return (train_samples, (train_iters // eval_interval + 1) * eval_iters * global_batch_size,
+            eval_iters * global_batch_size)
+
+
 def build_datasets(config: DataConfig, num_samples: tuple[int, int, int], eod_id: int, *,
                    barrier: Optional[Callable[[], None]] = None,
                    is_builder: bool = True) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
@@ -577,6 +385,11 @@ def build_datasets(config: DataConfig, num_samples: tuple[int, int, int], eod_id
             opened[prefix] = IndexedDataset(prefix)
         return opened[prefix]
 
+    if config.data_order == "megatron":
+        flags = ["--data-path"] * 3 if config.data_path else list(_split_paths(config))
+        megatron_parts = _megatron_parts(config, open_dataset)
+        return tuple(_build_megatron_split(SPLIT_NAMES[k], flags[k], megatron_parts[k], num_samples[k], config,
+                                           options, is_builder, barrier) for k in range(3))  # type: ignore[return-value]
     parts: list[list[_Part]] = [[], [], []]
     if config.data_path:
         prefixes, weights = parse_blend(config.data_path, "--data-path")

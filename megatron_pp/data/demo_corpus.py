@@ -31,7 +31,7 @@ import tokenize
 import warnings
 from typing import Iterator, Optional
 
-from megatron_pp.data.builder import preprocess_jsonl
+from megatron_pp.data.preprocess import preprocess_jsonl
 from megatron_pp.data.indexed import IndexedDataset, apply_umask
 from megatron_pp.data.tokenizers import build_tokenizer, train_bpe
 

@@ -37,10 +37,21 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_pp.data import megatron_order
 from megatron_pp.data.indexed import IndexedDataset, apply_umask
+from megatron_pp.data.megatron_cache import CacheMismatch, gpt_matcher, use_megatron_cache
 
 # Bump when the index construction changes: old caches are then ignored (their key differs).
 INDEX_VERSION = 1
+# `--data-order`: Megatron-LM's sample order (megatron_order.py), or every token once per epoch (below).
+DATA_ORDERS = ("megatron", "epoch-exact")
+
+
+class DataFlagError(ValueError):
+    """Data flags that cannot build the run's splits (a --split leaving a needed split without tokens, too few
+    samples for the run): a usage error, exit status 2, raised before any training."""
+
+    exit_status = 2
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,21 @@ class IndexCache:
                 f"data index cache {done_path} is missing after the builder rank's turn: --data-cache-path "
                 f"must be a directory every rank sees (a shared filesystem)"
             )
+        _check_description(done_path, description)
         return {array: np.load(paths[array], mmap_mode="r") for array in arrays}
+
+
+def _check_description(path: str, description: dict) -> None:
+    """The cached arrays under `path`'s key must be the ones made for `description`: a file copied in from
+    another cache or edited by hand would otherwise feed other samples silently."""
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CacheMismatch(f"{path}: unreadable data index description ({exc}); remove it") from None
+    if stored != json.loads(json.dumps(description)):
+        raise CacheMismatch(f"{path}: this cached data index was made for other flags or data than its name says; "
+                            f"remove it or give another --data-cache-path")
 
 
 def _atomic_write(path: str, write: Callable) -> None:
@@ -199,21 +224,24 @@ class GPTDataset:
 
     ARRAYS = ("document_index", "sample_index", "shuffle_index")
 
-    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int, *,
-                 seq_length: int, seed: int, options: BatchOptions, cache: IndexCache, split_name: str) -> None:
+    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: Optional[int], *,
+                 seq_length: int, seed: int, options: BatchOptions, cache: IndexCache, split_name: str,
+                 order: str = "epoch-exact") -> None:
         start, stop = document_range
         if not 0 <= start < stop <= len(indexed):
             raise ValueError(f"document range [{start}, {stop}) is empty or outside {indexed.prefix} "
                              f"({len(indexed)} sequences)")
+        if order not in DATA_ORDERS:
+            raise ValueError(f"--data-order {order!r}: choose one of {', '.join(DATA_ORDERS)}")
         self.indexed = indexed
         self.start, self.stop = start, stop
-        self.num_samples = num_samples
         self.seq_length = seq_length
         self.options = options
+        self.order = order
         lengths = indexed.sequence_lengths[start:stop]
         # Checked here, on every rank, rather than only in the builder: a builder that failed would
         # leave the other ranks waiting at the barrier forever.
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1 or num_samples is None and order != "megatron":
             raise ValueError(f"{indexed.prefix} [{start}, {stop}): num_samples must be >= 1, got {num_samples}")
         if not lengths.any():
             raise ValueError(f"{indexed.prefix}: documents [{start}, {stop}) hold no tokens")
@@ -222,13 +250,25 @@ class GPTDataset:
             "lengths": _lengths_digest(lengths), "document_range": [start, stop], "num_samples": num_samples,
             "seq_length": seq_length, "seed": seed,
         }
-        arrays = cache.load_or_build(
-            f"{os.path.basename(indexed.prefix)}-{split_name}", description, self.ARRAYS,
-            lambda: build_sample_index(lengths, num_samples, seq_length, seed),
-        )
+        if order == "megatron":
+            # Megatron-LM's document index holds sequence ids of the whole file: the digest covers them all.
+            description.update(order="megatron", lengths=_lengths_digest(indexed.sequence_lengths))
+            build = lambda: megatron_order.build_indices(indexed.sequence_lengths, np.arange(start, stop),
+                                                         num_samples, seq_length, seed)
+        else:
+            build = lambda: build_sample_index(lengths, num_samples, seq_length, seed)
+        arrays = cache.load_or_build(f"{os.path.basename(indexed.prefix)}-{split_name}", description, self.ARRAYS,
+                                     build)
+        if order == "megatron":
+            arrays = use_megatron_cache(cache.directory, "GPTDataset", split_name,
+                                        gpt_matcher(indexed.prefix, num_samples, seed, seq_length), arrays)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
+        # Megatron-LM's dataset exposes every sample its epochs hold (a blend member or a resumed run may
+        # read past the count asked for); its document index holds sequence ids, ours positions in the split.
+        self.num_samples = len(self.shuffle_index) if order == "megatron" else num_samples
+        self._first_document = 0 if order == "megatron" else start
 
     def __len__(self) -> int:
         return self.num_samples
@@ -249,7 +289,7 @@ class GPTDataset:
         return np.concatenate(pieces).astype(np.int64)
 
     def _document(self, position: int) -> int:
-        return self.start + int(self.document_index[position])
+        return self._first_document + int(self.document_index[position])
 
     def get_batch(self, sample_indices: Sequence[int], device: torch.device | str = "cpu") -> dict:
         return make_batch(np.stack([self.sample(i) for i in sample_indices]), self.options, device)

@@ -7,7 +7,9 @@
     GPT2BPETokenizer        byte-level BPE from --vocab-file vocab.json + --merge-file merges.txt
                             (or a tokenizer.json as --tokenizer-model), via the `tokenizers` package
     SentencePieceTokenizer  a SentencePiece --tokenizer-model file (LLaMA's tokenizer.model)
-    HuggingFaceTokenizer    --tokenizer-model: a bare tokenizer.json file, or a saved tokenizer directory
+    HuggingFaceTokenizer    --tokenizer-model: a bare tokenizer.json file, or a saved tokenizer directory;
+                            adds the tokenizer's special tokens (BOS) as Megatron-LM's does, unless
+                            add_special_tokens=False (preprocess_data.py --no-special-tokens)
     NullTokenizer           ids written as decimal text ("5 17 3"), for mock and pre-tokenized data
 
 Nothing is ever fetched from a model hub: paths must exist locally (a missing directory would
@@ -69,8 +71,10 @@ def _resolve_eod(lookup: Callable[[str], Optional[int]], eos_token: Optional[str
 class FastTokenizer(Tokenizer):
     """A Rust `tokenizers.Tokenizer` ("fast" in Hugging Face terms): GPT-2 byte-level BPE, or any tokenizer.json."""
 
-    def __init__(self, tokenizer: RustTokenizer, source: str, eod_token: Optional[str] = None) -> None:
+    def __init__(self, tokenizer: RustTokenizer, source: str, eod_token: Optional[str] = None,
+                 add_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._add_special_tokens = add_special_tokens
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eod = _resolve_eod(tokenizer.token_to_id, None, eod_token, source)
 
@@ -87,15 +91,16 @@ class FastTokenizer(Tokenizer):
         return cls(tokenizer, vocab_file, eod_token)
 
     @classmethod
-    def from_file(cls, tokenizer_json: str, eod_token: Optional[str] = None) -> "FastTokenizer":
+    def from_file(cls, tokenizer_json: str, eod_token: Optional[str] = None,
+                  add_special_tokens: bool = False) -> "FastTokenizer":
         try:
             tokenizer = RustTokenizer.from_file(tokenizer_json)
         except Exception as exc:  # the Rust library raises a bare Exception on a malformed file
             raise ValueError(f"{tokenizer_json} is not a readable tokenizer.json: {exc}") from None
-        return cls(tokenizer, tokenizer_json, eod_token)
+        return cls(tokenizer, tokenizer_json, eod_token, add_special_tokens)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens).ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -104,7 +109,8 @@ class FastTokenizer(Tokenizer):
 class HuggingFaceDirectoryTokenizer(Tokenizer):
     """A tokenizer directory saved by `transformers` (tokenizer.json or tokenizer.model + configs)."""
 
-    def __init__(self, directory: str, eod_token: Optional[str] = None) -> None:
+    def __init__(self, directory: str, eod_token: Optional[str] = None, add_special_tokens: bool = True) -> None:
+        self._add_special_tokens = add_special_tokens
         # Imported here: transformers takes seconds to import and must see the offline switch first.
         _set_hf_offline()
         from transformers import AutoTokenizer
@@ -118,7 +124,7 @@ class HuggingFaceDirectoryTokenizer(Tokenizer):
         self.eod = _resolve_eod(vocab.get, self._tokenizer.eos_token, eod_token, directory)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -218,8 +224,13 @@ def check_tokenizer_args(tokenizer_type: Optional[str], *, tokenizer_model: Opti
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None, vocab_size: Optional[int] = None,
-                    eod_token: Optional[str] = None) -> Tokenizer:
-    """The tokenizer named by Megatron's `--tokenizer-type` and its file flags (see the module doc)."""
+                    eod_token: Optional[str] = None, add_special_tokens: bool = True) -> Tokenizer:
+    """The tokenizer named by Megatron's `--tokenizer-type` and its file flags (see the module doc).
+
+    `add_special_tokens` (HuggingFaceTokenizer only): whatever the tokenizer's post-processor adds to each
+    text, e.g. LLaMA's BOS, as Megatron-LM's HuggingFaceTokenizer does (it calls the tokenizer with its
+    defaults); the other types never add any, as in Megatron-LM.
+    """
     errors = check_tokenizer_args(tokenizer_type, tokenizer_model=tokenizer_model, vocab_file=vocab_file,
                                   merge_file=merge_file, vocab_size=vocab_size)
     if errors:
@@ -232,8 +243,8 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = Non
         return SentencePieceTokenizer(tokenizer_model, eod_token)
     if tokenizer_type == "HuggingFaceTokenizer":
         if os.path.isdir(tokenizer_model):
-            return HuggingFaceDirectoryTokenizer(tokenizer_model, eod_token)
-        return FastTokenizer.from_file(tokenizer_model, eod_token)
+            return HuggingFaceDirectoryTokenizer(tokenizer_model, eod_token, add_special_tokens)
+        return FastTokenizer.from_file(tokenizer_model, eod_token, add_special_tokens)
     if eod_token is not None:
         raise ValueError("--eod-token does not apply to NullTokenizer (its end-of-document id is --vocab-size)")
     return NullTokenizer(vocab_size)

@@ -103,20 +103,24 @@ def build_config_and_data(args: argparse.Namespace, state: ParallelState) -> tup
         valid = MockSplit(args.seed, config.seq_length, config.vocab_size, MOCK_VALID_FIRST_SAMPLE)
         return config, TrainingData(train, valid if evaluation_enabled(args) else None, **geometry)
 
-    from megatron_pp.data.builder import build_datasets, data_config_from_args
+    from megatron_pp.data.builder import build_datasets, data_config_from_args, split_sample_counts
+    from megatron_pp.data.gpt_dataset import DataFlagError
     from megatron_pp.data.tokenizers import build_tokenizer
 
     seq_length = model_config_from_args(args, vocab_size=1).seq_length
     data_config = data_config_from_args(args, seq_length=seq_length)
     tokenizer = build_tokenizer(**data_config.tokenizer_args())
     config = model_config_from_args(args, vocab_size=tokenizer.vocab_size)
-    valid_samples = args.eval_iters * args.global_batch_size if evaluation_enabled(args) else 0
+    # Megatron-LM's counts (a test split is not read here, so not built): they decide the epochs, hence the order.
+    train_samples, valid_samples, _ = split_sample_counts(
+        args.train_samples or args.train_iters * args.global_batch_size, args.global_batch_size,
+        args.eval_iters if evaluation_enabled(args) else 0, args.eval_interval, args.train_iters)
     train, valid, _ = build_datasets(
-        data_config, (args.train_iters * args.global_batch_size, valid_samples, 0), tokenizer.eod,
+        data_config, (train_samples, valid_samples, 0), tokenizer.eod,
         barrier=comm.barrier if comm.is_distributed() else None, is_builder=state.rank == 0,
     )
     if train is None:
-        raise ValueError(f"--split {args.split} leaves no training data")
+        raise DataFlagError(f"--split {args.split} leaves no training data")
     if evaluation_enabled(args) and valid is None:
-        raise ValueError(f"--eval-interval: --split {args.split} leaves no validation data")
+        raise DataFlagError(f"--eval-interval: --split {args.split} leaves no validation data")
     return config, TrainingData(train, valid, vocab_size=config.vocab_size, **geometry)

@@ -233,7 +233,8 @@ def main(argv: Optional[Sequence[str]] = None, description: str = "megatron_pp p
                 watchdog.stop()  # every rank stops here by itself: nobody is to blame
             else:
                 watchdog.report_failure()  # the others stop now, silently, instead of at a heartbeat timeout
-        sys.exit(EXIT_FAILURE)
+        # Data flags that cannot build the splits (DataFlagError, CacheMismatch) are usage errors: exit 2.
+        sys.exit(getattr(exc, "exit_status", EXIT_FAILURE))
 
     try:
         init_distributed(args.distributed_backend, timeout_s=60.0 * args.distributed_timeout_minutes, store=store)

@@ -147,8 +147,10 @@ class Trainer:
             "comm_wait_s": result.comm_wait_s,
         }
 
-    def evaluate(self) -> dict:
-        """Validation loss over `--eval-iters` global batches (the same ones every time). Collective."""
+    def evaluate(self, block: int = 0) -> dict:
+        """Validation loss over `--eval-iters` global batches: block `block` of them, as Megatron-LM reads
+        one block after another (evaluation k at iteration k·eval_interval reads block k − 1, the
+        closing one block train_iters // eval_interval). Collective."""
         self.steps.prepare_weights()
         args, state = self.args, self.state
         start = time.perf_counter()
@@ -160,8 +162,8 @@ class Trainer:
             tokens = torch.zeros((), dtype=torch.float64)
             with torch.no_grad(), all_weights(self.optimizer):
                 for e in range(args.eval_iters):
-                    batches = self.data.microbatches(self.data.valid, e * args.global_batch_size, state.dp_rank,
-                                                     state.device)
+                    first = (block * args.eval_iters + e) * args.global_batch_size
+                    batches = self.data.microbatches(self.data.valid, first, state.dp_rank, state.device)
                     result = self.pipe.executor.run(batches, loss_scale=1.0, forward_only=True)
                     if result.loss_sum is not None:
                         loss_sum += result.loss_sum.double().cpu()
@@ -311,7 +313,7 @@ class Trainer:
             if numerics is not None:
                 raise TrainingStopped(numerics)
             if evaluate:
-                record(self.evaluate(), evaluation=True)
+                record(self.evaluate(iteration // args.eval_interval - 1), evaluation=True)
                 last_eval = iteration
             if save:
                 self.save()
@@ -324,7 +326,7 @@ class Trainer:
                 break
         if stop is None:
             if evaluation_enabled(args) and last_eval != self.progress.iteration:
-                record(self.evaluate(), evaluation=True)
+                record(self.evaluate(args.train_iters // args.eval_interval), evaluation=True)
             if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
                 self.save()
         if args.trace_file:

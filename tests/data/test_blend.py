@@ -82,7 +82,8 @@ def test_blended_dataset_draws_samples_from_the_weighted_datasets(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     write_numbered_dataset(a, [20] * 10)  # tokens 0..199
     write_numbered_dataset(b, [20] * 10, first=1000)  # tokens 1000..1199
-    config = DataConfig(seq_length=8, data_path=["0.25", a, "0.75", b], split="1,0,0", cache_dir=str(tmp_path / "c"))
+    config = DataConfig(seq_length=8, data_path=["0.25", a, "0.75", b], split="1,0,0", cache_dir=str(tmp_path / "c"),
+                        data_order="epoch-exact")
     train, valid, test = build_datasets(config, (400, 0, 0), eod_id=-1)
     assert valid is None and test is None
     assert isinstance(train, BlendedDataset) and len(train) == 400

@@ -93,7 +93,8 @@ def test_mock_data_needs_nothing_but_still_checks_what_is_given(tmp_path):
 
 
 def test_split_of_one_dataset(prefix, tmp_path):
-    config = DataConfig(seq_length=8, data_path=[prefix], split="90,10,0", cache_dir=str(tmp_path / "cache"))
+    config = DataConfig(seq_length=8, data_path=[prefix], split="90,10,0", cache_dir=str(tmp_path / "cache"),
+                        data_order="epoch-exact")
     train, valid, test = build_datasets(config, (50, 20, 5), eod_id=-1)
     assert isinstance(train, GPTDataset) and (train.start, train.stop, len(train)) == (0, 90, 50)
     assert isinstance(valid, GPTDataset) and (valid.start, valid.stop, len(valid)) == (90, 100, 20)
@@ -107,7 +108,7 @@ def test_split_of_one_dataset(prefix, tmp_path):
 
 def test_default_cache_is_next_to_the_data_and_barrier_is_called(prefix, tmp_path):
     calls = []
-    config = DataConfig(seq_length=8, data_path=[prefix], split="1,1,0")
+    config = DataConfig(seq_length=8, data_path=[prefix], split="1,1,0", data_order="epoch-exact")
     build_datasets(config, (10, 10, 10), eod_id=-1, barrier=lambda: calls.append(1))
     assert len(calls) == 2  # one per built index: train and valid
     assert len(os.listdir(tmp_path / "index-cache")) == 8
@@ -133,7 +134,8 @@ def test_prefixes_without_weights_are_weighted_by_tokens(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     write_numbered_dataset(a, [10] * 30)  # 300 tokens
     write_numbered_dataset(b, [10] * 10, first=10_000)  # 100 tokens
-    config = DataConfig(seq_length=4, data_path=[a, b], split="1,0,0", cache_dir=str(tmp_path / "cache"))
+    config = DataConfig(seq_length=4, data_path=[a, b], split="1,0,0", cache_dir=str(tmp_path / "cache"),
+                        data_order="epoch-exact")
     train, _, _ = build_datasets(config, (40, 0, 0), eod_id=-1)
     assert [len(d) for d in train.datasets] == [30, 10]
 

@@ -69,7 +69,7 @@ def test_demo_flags_feed_the_data_pipeline(demo, tmp_path):
                         cache_dir=str(tmp_path), eod_mask_loss=True)
     assert check_data_args(config) == []
     train, valid, test = build_datasets(config, (64, 16, 0), eod_id=info["eod_id"])
-    assert test is None and len(train) == 64 and len(valid) == 16
+    assert test is None and len(train) >= 64 and len(valid) >= 16  # Megatron-LM's order indexes whole epochs
     batch = valid.get_batch([0, 1, 2, 3])
     assert batch["tokens"].shape == (4, 64) and int(batch["tokens"].max()) < info["vocab_size"]
     tok = build_tokenizer(**config.tokenizer_args())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from megatron_pp.data.builder import preprocess_jsonl
+from megatron_pp.data.preprocess import preprocess_jsonl
 from megatron_pp.data.indexed import IndexedDataset
 from megatron_pp.data.tokenizers import build_tokenizer, train_bpe
 from tests.data import sample_texts, write_jsonl
