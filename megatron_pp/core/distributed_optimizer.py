@@ -57,9 +57,10 @@ class ShardedMainParams:
         self.attach_grads()
 
     def attach_grads(self) -> None:
-        """Point each piece's `.grad` at its reduced fp32 gradient (views into the reducer's buffers)."""
+        """Point each piece's `.grad` at its reduced fp32 gradient (views into the reducer's buffers), or at
+        an fp32 copy of it when the buffers are bf16 (--grad-reduce-in-bf16)."""
         for main, piece in zip(self.params, self.pieces):
-            main.grad = piece.grad
+            main.grad = piece.grad if piece.grad.dtype == main.dtype else piece.grad.float()
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

@@ -249,12 +249,16 @@ class GradientReducer:
         overlap: bool,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         distributed_optimizer: bool = False,
+        grad_dtype: torch.dtype = GRAD_DTYPE,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"gradient bucket size must be >= 1 byte, got {bucket_bytes}")
         self.state = state
         self.overlap = overlap
         self.distributed_optimizer = distributed_optimizer
+        self.grad_dtype = grad_dtype
+        """Dtype of the buffers: fp32, or bf16 under --grad-reduce-in-bf16 (Megatron-LM's bf16 grad buffers:
+        microbatches accumulate and the data-parallel sum runs in bf16; the optimizer reads fp32 copies)."""
         self.grads_reduced = False
         self._step_open = False
 
@@ -302,7 +306,7 @@ class GradientReducer:
         self._grad_added = [p for _, p in order]
         for p in self._grad_added:
             p.grad_added = functools.partial(self._on_grad_accumulated, p)
-        self._low_precision = [p for _, p in order if p.dtype != GRAD_DTYPE]
+        self._low_precision = [p for _, p in order if p.dtype != self.grad_dtype]
         for p in self._low_precision:
             p.main_grad = self._views[id(p)]
             p.main_grad_added = functools.partial(self._on_main_grad_added, p)
@@ -361,7 +365,7 @@ class GradientReducer:
                 total += p.numel()
             padded = -(-total // dp) * dp
             shard = padded // dp
-            grad = torch.zeros(padded, dtype=GRAD_DTYPE, device=params[0].device)
+            grad = torch.zeros(padded, dtype=self.grad_dtype, device=params[0].device)
             buckets.append(GradBucket(index, params, offsets, grad, dp_rank * shard, (dp_rank + 1) * shard))
         return buckets
 
@@ -424,7 +428,7 @@ class GradientReducer:
                 self._arrived[id(p)] = 0
                 self._expected[id(p)] = self._holders[id(p)] * num_microbatches
                 # fp32 parameters accumulate straight into their slot: autograd adds in place to `.grad`.
-                p.grad = self._views[id(p)] if p.dtype == GRAD_DTYPE else None
+                p.grad = self._views[id(p)] if p.dtype == self.grad_dtype else None
         self._next_launch = 0
         self._step_open = True
         self.grads_reduced = False
@@ -439,7 +443,7 @@ class GradientReducer:
         if not same_memory(p.grad, view):
             # A low-precision gradient (or a `.grad` someone reset): fold it into the fp32 slot.
             view.add_(p.grad)
-            p.grad = view if p.dtype == GRAD_DTYPE else None
+            p.grad = view if p.dtype == self.grad_dtype else None
         self._count(p)
 
     def _on_main_grad_added(self, p: nn.Parameter) -> None:

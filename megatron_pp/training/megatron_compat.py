@@ -156,6 +156,14 @@ def check_megatron_compat(args: argparse.Namespace) -> list[str]:
         errors.append("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)")
     if args.grad_reduce_in_bf16 and not args.bf16:
         errors.append("--grad-reduce-in-bf16 applies only to --bf16 (fp32 and fp16 runs reduce in fp32)")
+    if args.pipeline_schedule == "2bw":  # 2BW's weight versions keep their own fp32 gradients and groups
+        errors += [f"--{name.replace('_', '-')} is not supported with --pipeline-schedule 2bw"
+                   for name in ("grad_reduce_in_bf16", "decoupled_lr") if getattr(args, name) not in (None, False)]
+    if args.grad_reduce_in_bf16 and getattr(args, "layered_grad_accumulation", False):
+        errors.append("--grad-reduce-in-bf16 is not supported with --layered-grad-accumulation (fp32 buffers)")
+    if args.grad_reduce_in_bf16 and args.data_parallel_sharding_strategy == "optim_grads_params":
+        errors.append("--grad-reduce-in-bf16 is not supported with --data-parallel-sharding-strategy "
+                      "optim_grads_params (its weight shards read fp32 gradient buffers)")
     if args.lr_warmup_fraction is not None:
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             errors.append(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")

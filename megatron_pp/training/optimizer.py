@@ -239,6 +239,9 @@ class OptimizerConfig:
     once per breadth-first group, instead of when the hooks see them complete (supersedes overlap)."""
     data_parallel_sharding_strategy: str = "no_shard"
     """no_shard, optim (the distributed optimizer) or optim_grads_params (also the weights: ZeRO-3)."""
+    grad_reduce_in_bf16: bool = False
+    """Gradient buffers in bf16 (with --bf16): accumulation and the data-parallel reduction in bf16, the
+    optimizer's main gradients fp32 copies of them (Megatron-LM's --grad-reduce-in-bf16)."""
     decoupled_lr: Optional[float] = None
     """--decoupled-lr: the word embedding and output layer step in groups of their own, whose LR
     `step(lr, decoupled_lr)` sets apart (the parameters tagged `is_embedding_or_output_parameter`)."""
@@ -257,6 +260,8 @@ class OptimizerConfig:
             problems.append(f"--adam-eps must be > 0, got {self.adam_eps}")
         if self.bf16 and self.fp16:
             problems.append("--bf16 and --fp16 are mutually exclusive")
+        if self.grad_reduce_in_bf16 and not self.bf16:
+            problems.append("--grad-reduce-in-bf16 applies only to --bf16")
         if self.loss_scale is not None and self.loss_scale <= 0:
             problems.append(f"--loss-scale must be > 0, got {self.loss_scale}")
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
@@ -361,7 +366,8 @@ class ReplicatedMainParams:
 
     def attach_grads(self) -> None:
         for main, model in zip(self.params, self.model_params):
-            main.grad = self.reducer.grad_view(model)
+            view = self.reducer.grad_view(model)
+            main.grad = view if view.dtype == main.dtype else view.float()  # bf16 buffers: an fp32 copy
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -428,6 +434,7 @@ class TrainingOptimizer:
             self.reducer = GradientReducer(
                 chunks, state, overlap=config.overlap_grad_reduce, bucket_bytes=config.bucket_bytes,
                 distributed_optimizer=config.use_distributed_optimizer,
+                grad_dtype=torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32,
             )
         self.sharded_weights: Optional[ShardedWeights] = None
         """The weight shards under --data-parallel-sharding-strategy optim_grads_params (ZeRO-3), else None."""
@@ -482,9 +489,12 @@ class TrainingOptimizer:
         factor = 1.0 / scale
         if self.config.clip_grad > 0 and grad_norm > self.config.clip_grad:
             factor *= self.config.clip_grad / (grad_norm + 1e-6)
-        if factor != 1.0:
-            self.reducer.scale_(factor)
         self.main.attach_grads()
+        if factor != 1.0:  # on the fp32 gradients the optimizer reads (copies of bf16 buffers), as Megatron-LM
+            if self.reducer.grad_dtype == torch.float32:
+                self.reducer.scale_(factor)
+            else:
+                torch._foreach_mul_([m.grad for m in self.main.params], factor)
         for group in self.optimizer.param_groups:
             group["lr"] = decoupled_lr if group.get("decoupled") else lr
         self.optimizer.step()

@@ -141,3 +141,29 @@ def test_megatron_attention_backend_names_run_ours():
         args = build_parser().parse_args(["--model-preset", "gpt-tiny", "--attention-backend", megatron])
         assert model_config_from_args(args).attention_backend == ours
         assert dataclasses.replace(model_config_from_args(args)).attention_backend == ours
+
+
+def _one_step_grads(bf16_buffers: bool):
+    config = dataclasses.replace(get_preset("llama-tiny"), params_dtype=torch.bfloat16)
+    model = build_model(config, seed=6)
+    opt = build_optimizer([model], ParallelState.build(),
+                          OptimizerConfig(bf16=True, clip_grad=0.5, grad_reduce_in_bf16=bf16_buffers))
+    batches = MockData(6, config.seq_length, config.vocab_size, 2, 4).step_microbatches(0, 0)
+    opt.reducer.start_step(len(batches))
+    for batch in batches:
+        ((model(None, batch).float() * batch["loss_mask"]).sum() / 100).backward()
+    opt.reducer.finish()
+    buffers = {b.grad.dtype for b in opt.reducer.buckets}
+    outcome = opt.step(1e-3)
+    return buffers, outcome, [m.grad.clone() for m in opt.main.params]
+
+
+def test_grad_reduce_in_bf16_accumulates_in_bf16_and_steps_on_fp32_copies():
+    buffers, outcome, grads = _one_step_grads(True)
+    reference_buffers, reference, reference_grads = _one_step_grads(False)
+    assert buffers == {torch.bfloat16} and reference_buffers == {torch.float32}
+    assert all(g.dtype == torch.float32 for g in grads)
+    # Four microbatches summed in bf16 instead of fp32: the same gradient to bf16's precision, not exactly.
+    flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in reference_grads])
+    assert 0 < (flat - ref).norm() / ref.norm() < 2e-2
+    assert outcome.grad_norm == pytest.approx(reference.grad_norm, rel=2e-2) and reference.grad_norm > 0.5
