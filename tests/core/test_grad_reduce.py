@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_pp.core.grads import (
     GradientReducer,
     clip_gradients,
+    cross_rank_tied,
     finalize_gradients,
     global_grad_norm,
     unique_parameters,
@@ -108,9 +109,33 @@ def train_reducer(pipe, data, overlap: bool, distributed: bool) -> dict:
 MODES = {"overlap": (True, False), "distributed": (False, True), "distributed+overlap": (True, True)}
 
 
+def check_embedding_sum_plan(pipe, case) -> None:
+    """Before any collective, so a wrong plan fails at once instead of hanging: the tied word embedding is
+    summed over the embedding group exactly where its two copies live on two ranks. In the V placement rank 0
+    holds stage 0 and the last stage, so both of its chunks share one parameter and no rank joins the sum
+    (rank 0 alone in that all-reduce would wait for the last pipeline rank forever)."""
+    state, schedule_name = pipe.state, case[4]
+    schedule = build_schedule(schedule_name, case[3], case[5], case[6])
+    tied = [p for p in unique_parameters(pipe.chunks) if getattr(p, "shared_embedding", False)]
+    ends_together = schedule.placement[0][0] == schedule.placement[-1][0]
+    summed = cross_rank_tied(pipe.chunks)
+    reducer = GradientReducer(pipe.chunks, state, overlap=False, bucket_bytes=BUCKET_BYTES)
+    try:
+        if ends_together or state.pp_size == 1:
+            assert summed == [] and reducer.embedding_params == [], (state.rank, schedule_name)
+            if state.is_first_pp_rank:  # both ends here: one tensor, held by the first and the last chunk
+                assert len(tied) == 1 and all(any(p is tied[0] for p in c.parameters()) for c in
+                                              (pipe.chunks[0], pipe.chunks[-1])), schedule_name
+        else:
+            assert [id(p) for p in summed] == [id(p) for p in tied] == [id(p) for p in reducer.embedding_params]
+    finally:
+        reducer.close()
+
+
 def compare_modes(ctx, case):
     """Worker: the plain run and each mode's run from the same initial weights."""
     pipe, data = make_pipeline(ctx, *case)
+    check_embedding_sum_plan(pipe, case)
     initial = local_weights(pipe)
     results = {"plain": {**train_plain(pipe, data), "initial": initial}}
     for name, (overlap, distributed) in MODES.items():
@@ -127,6 +152,10 @@ CASES = [
     # A split backward whose BW runs apart from its BI: the deferred weight GEMMs report their gradients to
     # the reducer themselves (`grad_added`), so buckets still launch inside the step.
     ("gpt-tiny", 2, 1, 2, "zb-h1", 4, 1, False),
+    # The V placement with a tied embedding: rank 0 holds both ends of the pipeline (stages 0 and 3), so the
+    # embedding-group sum must be skipped on both pipeline ranks; a regression hung with rank 0 alone in it.
+    ("gpt-tiny", 4, 1, 2, "zb-v", 4, 2, False),
+    ("gpt-tiny", 4, 1, 2, "v-half", 4, 2, False),
 ]
 
 
