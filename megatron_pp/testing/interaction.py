@@ -256,11 +256,15 @@ class Job:
 
     @property
     def name(self) -> str:
-        s = self.settings
-        tp, pp, dp = s["layout"]
-        return (f"{s['precision']}-{s['schedule']}-tp{tp}pp{pp}dp{dp}v{s['virtual']}"
-                f"{'-sp' if s['sequence_parallel'] else ''}-rc:{s['recompute']}-off:{s['offload']}"
-                f"{'-zero1' if s['distributed_optimizer'] else ''}-{s['embeddings']}-{s['attention']}-{s['model']}")
+        return case_name(self.settings)
+
+
+def case_name(s: dict) -> str:
+    """One case in a line, e.g. bf16-zb-h1-tp1pp2dp1v1-rc:none-off:chunks-tied-mha-gpt-tiny."""
+    tp, pp, dp = s["layout"]
+    return (f"{s['precision']}-{s['schedule']}-tp{tp}pp{pp}dp{dp}v{s['virtual']}"
+            f"{'-sp' if s['sequence_parallel'] else ''}-rc:{s['recompute']}-off:{s['offload']}"
+            f"{'-zero1' if s['distributed_optimizer'] else ''}-{s['embeddings']}-{s['attention']}-{s['model']}")
 
 
 def microbatches(pp: int) -> int:

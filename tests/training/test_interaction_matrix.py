@@ -34,7 +34,7 @@ def runner(tmp_path_factory):
     return Runner(run_distributed, str(tmp_path_factory.mktemp("interaction")))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{i}-{interaction.make_job(c, 'W').name}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}-{interaction.case_name(c)}" for i, c in enumerate(CASES)])
 def test_interaction_case(runner, case):
     runner.outcome(case)
 
