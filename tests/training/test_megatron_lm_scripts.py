@@ -125,3 +125,27 @@ def test_docs_name_every_flag_of_both_scripts():
         section = f.read().split("## Megatron-LM launch scripts", 1)[1].split("\n## ", 1)[0]
     flags = {a for a in LLAMA3_8B_BF16 + FP8_BLOCK + GPT3_175B if a.startswith("--")}
     assert sorted(f for f in flags if f"`{f}" not in section) == []
+
+
+def _llama_rows(ctx, argv):
+    from megatron_pp.training.arguments import parse_args
+    from megatron_pp.training.train import pretrain
+
+    args = parse_args(argv)
+    state = ctx.parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    return pretrain(args, state=state)
+
+
+def test_llama_script_at_data_parallel_two_steps_as_at_one(tmp_path):
+    """dp 2 runs the script's distributed optimizer, bf16 gradient reduction and decoupled LR across two
+    ranks: the same global batches as one rank, so the same losses to bf16's precision."""
+    from tests.dist import run_distributed
+
+    runs = {}
+    for world in (1, 2):
+        paths = {"CKPT": str(tmp_path / f"ck{world}"), "TB": str(tmp_path / f"tb{world}"), "CACHE": str(tmp_path)}
+        argv = _placed(LLAMA3_8B_BF16, paths) + SHRINK_LLAMA + ["--eval-interval", "100", "--save-interval", "100"]
+        runs[world] = run_distributed(world, _llama_rows, argv)[0]
+    one, two = ([r["loss"] for r in runs[w] if "lr" in r] for w in (1, 2))
+    assert len(one) == len(two) == 3
+    assert two == pytest.approx(one, rel=2e-2) and one[0] == pytest.approx(two[0], rel=1e-2)
