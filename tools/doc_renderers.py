@@ -86,7 +86,7 @@ def vs_torch_table(data: dict) -> str:
                      f"{per_rank(theirs, 'peak_activation_bytes_per_rank', mib)}",
                      yes_no(pair["targets"]["time_met"]), yes_no(pair["targets"]["memory_met"])])
     return table(["ours", "torch", "step time ratio", "CPU ratio", "CPU s per rank, ours / torch",
-                  f"peak activation MiB, ours / torch", f"time ≤ {data['time_target']:.2f}", "memory ≤ torch"], rows)
+                  "peak activation MiB, ours / torch", f"time ≤ {data['time_target']:.2f}", "memory ≤ torch"], rows)
 
 
 def vs_torch_zb_h1_sentence(data: dict) -> str:
@@ -220,8 +220,8 @@ def trace_vs_sim_table(data: dict) -> str:
 
 def trace_vs_sim_pair_table(short: dict, long: dict) -> str:
     """Two tools/trace_vs_sim.py runs side by side (5 and 10 measured steps), same rows."""
-    rows = [_trace_label(a) + _trace_cells(a, short["target_relative_error"]) + _trace_cells(b, long["target_relative_error"])
-            for a, b in zip(short["runs"], long["runs"])]
+    rows = [_trace_label(a) + _trace_cells(a, short["target_relative_error"])
+            + _trace_cells(b, long["target_relative_error"]) for a, b in zip(short["runs"], long["runs"])]
     return table(["schedule", "p", f"trace bubble, {short['runs'][0]['steps_measured']} steps (median; range)",
                   "simulated", "error", f"trace bubble, {long['runs'][0]['steps_measured']} steps (median; range)",
                   "simulated", "error"], rows)
@@ -254,7 +254,8 @@ def trends_of(paper: str, keep=lambda trend: True):
 def farthest_stash_trend(data: dict) -> str:
     """The stash-peak trend row of `reproduce.py all --quick` farthest from its measurement, as
     '2.46% (PipeOffload: peak stash per rank, po-f, −2.46%)': the bound a page may claim for all of them."""
-    rows = [t for report in data["reports"] for t in report["trends"] if "stash" in t["trend"] and t["error"] is not None]
+    rows = [t for report in data["reports"] for t in report["trends"]
+            if "stash" in t["trend"] and t["error"] is not None]
     worst = max(rows, key=lambda t: abs(t["error"]))
     return f"{pct(abs(worst['error']), 2)} ({worst['trend']}, {pct(worst['error'], 2, sign=True)})"
 
@@ -359,7 +360,8 @@ def vs_torch_memory_sentence(data: dict) -> str:
         side = data["pairs"][pair]
         return pct(1 - side["ours"]["peak_activation_bytes_per_rank"][rank]
                    / side["torch"]["peak_activation_bytes_per_rank"][rank], 0)
-    return f"{less('zb-v', 0)} less on rank 0 and {less('zb-v', 1)} less on rank 1, and `zb-h1`'s last rank {less('zb-h1', -1)} less"
+    return (f"{less('zb-v', 0)} less on rank 0 and {less('zb-v', 1)} less on rank 1, and `zb-h1`'s last rank "
+            f"{less('zb-h1', -1)} less")
 
 
 RENDERERS: dict = {
