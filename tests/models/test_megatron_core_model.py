@@ -97,3 +97,18 @@ def build_fresh(config):
     from megatron_pp.models.transformer import build_model
 
     return build_model(config, seed=1)
+
+
+def test_hugging_face_maps_store_one_plus_the_weight_and_refuse_partial_rotary():
+    from megatron_pp.models.hf import hf_architecture, tensor_maps
+
+    config = dataclasses.replace(get_preset("llama-tiny"), apply_layernorm_1p=True)
+    maps = {m.name: m for m in tensor_maps(config)}
+    norms = [name for name in maps if name.endswith("layernorm.weight")]
+    assert len(norms) == 2 * config.num_layers + 1 and all(maps[n].kind == "scale_1p" for n in norms)
+    w = torch.tensor([0.0, 0.25, -0.5])
+    assert torch.equal(maps[norms[0]].to_hf(w, config)[0], w + 1)
+    assert torch.equal(maps[norms[0]].to_ours([w + 1], config), w)
+    assert maps["embedding.word_embeddings.weight"].kind == "same"
+    with pytest.raises(ValueError, match="rotary_percent=0.5"):
+        hf_architecture(dataclasses.replace(config, rotary_percent=0.5))
