@@ -72,6 +72,18 @@ def plan_emulation(args, pps: list[int], names: list[str]) -> EmulationPlan:
     return EmulationPlan(grid, names, costs)
 
 
+def paper_ratio(schedule: str, p: int, m: int) -> float:
+    """Step-time ratio of a claim's pair at F = B/2 = BI = BW from the papers' bubble formulas (docs/schedules.md,
+    "Formulas and their sources"), in units of a rank's whole-share forward, v = 2 where chunked; the step as
+    m·(F+BI+BW) + bubble is ours. 1F1B's bubble (p−1)·3, interleaved's (p−1)·3/2; ZB-H1 (p−1)(T_F+T_B−T_W) =
+    p−1 (2401.10241 §2.1); ZB-V about 0 (2401.10241 §6); V-Half ≈ p/(2m) of the step against 1F1B's ≈ p/m
+    (2405.15362); GIS (p−1)(T_F+T_B) = p−1 with chunk times 1/2 (2503.01328 §3).
+    Worked: zb-h1 / 1f1b at p = 8, m = 16 = (48 + 7) / (48 + 21) = 0.797."""
+    base, inter = 3 * m + 3 * (p - 1), 3 * m + 1.5 * (p - 1)
+    return {"zb-h1": (3 * m + p - 1) / base, "zb-v": 3 * m / inter, "v-half": (1 + p / (2 * m)) / (1 + p / m),
+            "gis": (3 * m + p - 1) / inter}[schedule]
+
+
 def speed_ratios(rows: list[dict]) -> list[dict]:
     """Measured and simulated step-time ratios of each claim's pair at equal (pp, m, costs)."""
     index = {(r["pp"], r["microbatches"], r["costs"], r["schedule"]): r for r in rows}
@@ -82,7 +94,8 @@ def speed_ratios(rows: list[dict]) -> list[dict]:
             if name == schedule and base is not None:
                 out.append({"pp": pp, "microbatches": m, "costs": kind, "ratio": f"{schedule} / {baseline}",
                             "measured": row["measured_step_s"] / base["measured_step_s"],
-                            "simulated": row["simulated_step_s"] / base["simulated_step_s"]})
+                            "simulated": row["simulated_step_s"] / base["simulated_step_s"],
+                            "papers_formula": paper_ratio(schedule, pp, m) if kind == "equal" else None})
     return out
 
 
