@@ -550,7 +550,7 @@ def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[flo
     A rank that hosts a peer's stashes allocates them at its ACCEPT but frees them only when the peer's
     LOAD has taken them back (`schedules.peer_store.AcceptorStore`), which on a real machine depends on
     the peer's pace, so they can overlap its own stashes differently from the simulated timeline. The
-    store holds at most `peer_store.hosting_bound` of its list at once, so such a rank is charged the
+    store holds at most `runtime.hosting_bound` of its list at once, so such a rank is charged the
     larger of its simulated peak and (its own peak + that many guests), a bound that holds whatever the
     timing.
     """

@@ -21,21 +21,25 @@ The partner's list gets the other side of each transfer when communication is in
 (`add_hosting`, a pass this module registers to run at the end of `insert_communication`): `ACCEPTj.c<x` posts the receive of x's stash (j, c) into
 new buffers, `RETURNj.c>x` sends it back, in the evictor's order. Both are posted without waiting and
 cost the partner's compute nothing; their place in the list is what orders them against the partner's
-pipeline transfers, identically on every run. Each goes right after the partner's last compute that,
-simulated with a partner that is always ready, ends no later than the transfer it serves starts (so the
-evictor waits no longer than it would for such a partner), and moves only where a replay of all lists
-with every operation blocking until its peer joins would get stuck (each side waiting for the other).
+pipeline transfers, identically on every run. An ACCEPT allocates the stash's buffers, so it goes as late
+as its transfer allows: right after the partner's last compute that, simulated with a partner that is
+always ready, ends no later than the latest start that moves nothing on the evictor (its copy over by
+the evictor's next forward and by its stash's LOAD), and before the receive of the partner's own forward
+of that microbatch (which the evictor sends only after its EVICT). A RETURN goes after the last compute
+that ends no later than its LOAD starts. Either moves only where a replay of all lists with every
+operation blocking until its peer joins would get stuck (each side waiting for the other).
 In the p = 4 example below, rank 3's list becomes
 
-    F0.0 ACCEPT3.0<0 B0.0 F1.0 B1.0 F2.0 B2.0 RETURN3.0>0 F3.0 ACCEPT4.0<0 B3.0 RETURN4.0>0 F4.0 ...
+    F0.0 B0.0 F1.0 B1.0 F2.0 ACCEPT3.0<0 B2.0 RETURN3.0>0 F3.0 ACCEPT4.0<0 B3.0 RETURN4.0>0 F4.0 ...
 
 Counting as the simulator and the executor do (a stash is resident from the start of its forward until
 its eviction has completed, a parked stash counts on the partner from its ACCEPT until its LOAD has
 delivered it, and a loaded one counts again from the start of its LOAD), an evicting rank peaks at K + 1:
 the forward that exceeds the bound holds its new stash before it can leave. The executor finishes
 pending evictions before the next forward allocates, so it never holds K + 2. The partner holds its own
-≤ x + 1 stashes and the parked ones it has accepted; an ACCEPT is posted up to one of its computes
-before the eviction starts, so it can hold one more guest than the ≤ p − x − K that are parked at once.
+≤ x + 1 stashes and at most `runtime.hosting_bound` guests, the most its list has accepted and not
+returned (≤ p − x − K, the most parked at once); its store waits at an ACCEPT for a returned guest to
+have left rather than hold one more, which the lists placed this way never need on the simulated timeline.
 
 Worked example, p = 4, m = 8, K = 3 (`format_table(per_row=10)` with transfers shown). Rank 0's 1F1B
 peak is 4, so from F3 on each forward's stash goes to rank 3 and comes back after the next backward;
@@ -59,7 +63,7 @@ ranks 1–3 hold at most 3 and evict nothing:
 Simulated with F = 1, B = 2 and transfers of 0.25 forward (the default), the peaks are 4 3 2 2 against
 1F1B's 4 3 2 1, the makespan is 1F1B's 33 and no backward waits for its load. At p = 4 the default bound
 therefore saves nothing at the peak (the evicting forward is the peak); `--bpipe-max-resident 2` gives
-3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 5 4 against 8 7 6 5 4 3 2 1.
+3 3 3 3. BPipe pays from p = 6 on: at p = 8, K = 5 the peaks are 6 6 6 5 4 4 4 4 against 8 7 6 5 4 3 2 1.
 """
 from __future__ import annotations
 
@@ -149,9 +153,12 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
     `schedule` has its pipeline communication (`insert_communication` runs this pass last) and EVICT/LOAD on
     the evictors only. A hosting action first goes right before the receives of the acceptor's first
     compute that, in a simulation under `costs` with the acceptor taken as always ready, ends after its
-    transfer starts (after the sends of the compute before: it is posted when that compute ends, no later
-    than the transfer starts, and ahead of inputs that may come from the evictor's later work; this splits
-    a send-and-receive batch in two, which the replay below checks). It then moves only
+    transfer's latest start (`_latest_starts`: for a RETURN its LOAD's start; for an ACCEPT the latest
+    start that delays nothing on the evictor, so that the buffers it allocates exist no earlier than they
+    must), an ACCEPT no later than the receives of the acceptor's forward of its microbatch (after the
+    sends of the compute before: it is posted when that compute ends, no later than the transfer needs,
+    and ahead of inputs that may come from the evictor's later work; this splits a send-and-receive batch
+    in two, which the replay below checks). It then moves only
     where a replay of the lists under rendezvous semantics (every operation blocks until its peer joins,
     parking included) gets stuck: one its acceptor waits at while the evictor waits elsewhere moves one
     place later; one an evictor waits for while the acceptor waits in a batch moves in front of the
@@ -175,12 +182,16 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
     slots: dict[int, list[int]] = {}  # acceptor -> per hosting action, the index of `base[y]` it goes before
     for x, y in pairs:
         computes = [(i, end) for i, (a, _, end) in enumerate(timed.timeline[y][len(hosting[y]):]) if a.is_compute]
-        starts = [start for a, start, _ in timed.timeline[x] if a.op in PARTNER_OP]
         ends = [end for _, end in computes]
+        before_forward = _before_forwards(base[y]) if y > x else {}
         slots[y] = []
-        for start in starts:
+        for action, start in zip(hosting[y], _latest_starts(timed.timeline[x])):
             k = bisect.bisect_right(ends, start + 1e-9)
             at = computes[k - 1][0] + 1 if k else 0  # right after the last compute that ends in time
+            if action.op is Op.ACCEPT:
+                # No later than the batch that receives this microbatch's activation: under blocking
+                # semantics it leaves the evictor, upstream, only once the EVICT has met its ACCEPT.
+                at = min(at, before_forward.get(action.microbatch, at))
             slots[y].append(max([at] + slots[y][-1:]))
     replay = RendezvousReplay([_insert_before(acts, slots[r], hosting[r]) if r in hosting else list(acts)
                                for r, acts in enumerate(base)], parking=True)
@@ -203,6 +214,43 @@ def add_hosting(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
 
 
 register_communication_pass(frozenset(PARTNER_OP), add_hosting)
+
+
+def _latest_starts(timeline: list[tuple[Action, float, float]]) -> list[float]:
+    """Per EVICT/LOAD of an evictor's `timeline` (simulated with its partner always ready), in list order, the
+    latest start that moves nothing on the evictor. An EVICT's copy must be over by the start of the rank's
+    next forward (which waits for it, as the executor does) and of its stash's LOAD: it may start that
+    minus its duration (in the p = 4, m = 8, K = 2 example, EVICT3 issued at 4.25 may start at 11.75, since
+    F4 starts at 12 and the copy takes 0.25). A LOAD keeps its start: its stash's backward waits for it.
+    The acceptor posts its side in the evictor's order, so no EVICT's latest start is after that of a
+    transfer listed after it (a late ACCEPT would hold back the RETURN a LOAD waits for)."""
+    out: list[tuple[Op, float, float]] = []  # (op, start, latest start)
+    for i, (action, start, end) in enumerate(timeline):
+        if action.op is Op.LOAD:
+            out.append((action.op, start, start))
+        elif action.op is Op.EVICT:
+            key = (action.microbatch, action.chunk)
+            later = [s for a, s, _ in timeline[i + 1:]
+                     if a.op is Op.F or (a.op is Op.LOAD and (a.microbatch, a.chunk) == key)]
+            out.append((action.op, start, max(start, min(later) - (end - start)) if later else start))
+    latest = [limit for _, _, limit in out]
+    for k in range(len(out) - 2, -1, -1):
+        if out[k][0] is Op.EVICT:
+            latest[k] = max(out[k][1], min(latest[k], latest[k + 1]))
+    return latest
+
+
+def _before_forwards(actions: list[Action]) -> dict[int, int]:
+    """Microbatch -> the index right after the last compute before its forward in `actions` (where a
+    hosting action goes to be posted before that forward's receives)."""
+    out: dict[int, int] = {}
+    last = 0
+    for i, a in enumerate(actions):
+        if a.op is Op.F:
+            out.setdefault(a.microbatch, last)
+        if a.is_compute:
+            last = i + 1
+    return out
 
 def _insert_before(actions: list[Action], slots: list[int], hosting: list[Action]) -> list[Action]:
     """`actions` with hosting[k] inserted before actions[slots[k]] (several at one place in their order)."""

@@ -14,9 +14,11 @@ The acceptor runs an `AcceptorStore`: its own stashes stay where they are, and i
 actions serve the partner, from the main thread in list order: `ACCEPT` allocates the stash's buffers
 (resident from that moment) and posts their receives, `RETURN` posts the sends back and the buffers are
 freed once they have completed. Neither waits for the partner, with three exceptions that the lists
-make safe: an ACCEPT that would hold more guests than `hosting_bound` of its list (one more than the
-list ever has accepted and not yet returned) first waits for the oldest sends back, so memory stays
-bounded whatever the partner's pace (with the planned timing it never waits), a RETURN on
+make safe: an ACCEPT that would hold more guests than `hosting_bound` of its list (the most the list
+has accepted and not yet returned) first waits for the oldest sends back, so memory stays within the
+list's count whatever the partner's pace (the sends need only the partner's LOAD, which a list that is
+deadlock-free under blocking semantics reaches before this ACCEPT; the simulator models the wait, and
+with the lists' planned timing it does not happen), a RETURN on
 gloo waits for its stash's receive to have completed (on CUDA it only orders the stream), and the
 first ACCEPT of each chunk waits for the stash's layout (below). Where these operations sit among the
 acceptor's pipeline transfers is fixed by its list (`bpipe.add_hosting` places them; `validate` proves

@@ -46,10 +46,14 @@ def runtime_needs(schedule: Schedule) -> RuntimeNeeds:
 
 
 def hosting_bound(actions: Sequence[Action]) -> int:
-    """Guests an acceptor running `actions` holds at once, at most: one more than the most its list has
-    accepted and not yet returned (a stash sent back may still be on its way while the next arrives)."""
+    """Guests an acceptor running `actions` holds at once, at most: the most its list has accepted and not
+    yet returned. A stash sent back may still be on its way when the next ACCEPT comes; the store then
+    waits at that ACCEPT for the oldest send back to complete (`peer_store.AcceptorStore.accept`), which
+    needs only the partner's LOAD, reached before (`bpipe.add_hosting` proves it under blocking
+    semantics). E.g. rank 3 of `bpipe` at p = 4, m = 8, K = 2 runs ACCEPT2 ... ACCEPT3 ... RETURN2
+    ACCEPT4 ...: 2 (it was 3 with a spare one for the stash on its way, a whole stash above the bound)."""
     held = most = 0
     for a in actions:
         held += {Op.ACCEPT: 1, Op.RETURN: -1}.get(a.op, 0)
         most = max(most, held)
-    return most + 1
+    return most

@@ -25,8 +25,9 @@ waits for that copy to finish. The `parked` curve counts stashes held off-device
 the peer). A peer transfer also needs the peer: an EVICT starts no earlier than the acceptor's ACCEPT
 is posted and a LOAD no earlier than its RETURN (posting either costs the acceptor's compute nothing),
 and the hosted stash counts on the acceptor from its ACCEPT (the buffers are allocated there) until the
-LOAD has delivered it back. A forward waits for the EVICTs issued before it (the
-executor frees their memory before it allocates), so an evicting rank never holds its bound plus two. With `CostModel.stash_bytes` the curves are also
+LOAD has delivered it back. An acceptor holds at most `runtime.hosting_bound` guests, as its store does:
+an ACCEPT beyond it waits (on the acceptor's clock) until the oldest returned guest's LOAD has ended.
+A forward waits for the EVICTs issued before it (the executor frees their memory before it allocates), so an evicting rank never holds its bound plus two. With `CostModel.stash_bytes` the curves are also
 weighed in bytes (`SimResult.peak_bytes`, guests at their owner's size) and, with `peer_bandwidth`,
 EVICT/LOAD take bytes / bandwidth.
 """
@@ -38,6 +39,7 @@ from typing import Callable, Mapping, Sequence, Union
 from megatron_pp.schedules.comm import Wakeups, link_sides
 from megatron_pp.schedules.ir import (COMPUTE_OPS, HOSTING_OPS, PARTNER_OP, RETURN_TRANSFER, TRANSFER_OPS, Action, Op,
                                       Schedule, ScheduleError, whole_schedule_pass)
+from megatron_pp.schedules.runtime import hosting_bound
 
 MeasuredCosts = Union[Mapping[tuple[Op, int], float], Callable[[Op, int], float]]
 
@@ -207,6 +209,11 @@ class _RankState:
     frees an evicted stash before the next forward allocates, see peer_store.PeerStore)."""
     hosting: dict[tuple[Op, int, int], tuple[float, int]] = field(default_factory=dict)
     """(ACCEPT or RETURN, microbatch, chunk) posted by this rank (an acceptor) -> (when, timeline index)."""
+    guests: dict[tuple[int, int], float | None] = field(default_factory=dict)
+    """Hosted stashes, in ACCEPT order -> when the partner's LOAD took them back (None: not yet)."""
+    returned: set[tuple[int, int]] = field(default_factory=set)
+    guest_cap: int = 0
+    """`runtime.hosting_bound` of the rank's list: an ACCEPT beyond it waits for the oldest returned guest."""
 
 
 @whole_schedule_pass
@@ -222,7 +229,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         if per_stage is not None and len(per_stage) != schedule.num_stages:
             raise ValueError(f"CostModel.{name} has {len(per_stage)} entries, schedule {schedule.name!r} has "
                              f"{schedule.num_stages} stages")
-    states = [_RankState() for _ in range(schedule.num_ranks)]
+    states = [_RankState(guest_cap=hosting_bound(acts)) for acts in schedule.actions]
     pos = [0] * schedule.num_ranks
     sides_of, num_links = link_sides(schedule.actions)
     # Per link, when each message sent on it is at the receiver, in order: a rank posts its sends on a link
@@ -246,8 +253,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                     _run_compute(rank, i, action, durations, state)
                 elif not _run_local(schedule, rank, i, action, durations, states):
                     break  # a parking transfer whose partner has not posted its side yet
-                elif action.op in HOSTING_OPS:
-                    wakeups.wake(action.peer)  # its EVICT or LOAD may go now
+                elif action.op in HOSTING_OPS or action.op is Op.LOAD:
+                    wakeups.wake(action.peer)  # its EVICT or LOAD may go now; a LOAD frees a guest's room
                 i += 1
                 continue
             end = i + 1
@@ -326,6 +333,13 @@ def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durati
     op = action.op
     costs = durations.costs
     if op in HOSTING_OPS:
+        key = (action.microbatch, action.chunk)
+        if op is Op.ACCEPT and not _room_for_guest(state):
+            return False  # the oldest returned guest's LOAD has not run yet
+        if op is Op.ACCEPT:
+            state.guests[key] = None
+        else:
+            state.returned.add(key)
         state.hosting[op, action.microbatch, action.chunk] = (state.clock, len(state.timeline))
         state.timeline.append((action, state.clock, state.clock))  # ends when the transfer does (patched then)
         if op is Op.ACCEPT:  # the receive buffer exists from the post on
@@ -339,6 +353,24 @@ def _run_local(schedule: Schedule, rank: int, index: int, action: Action, durati
     # REDUCE_GRAD and STEP mark points in the list; their cost is outside the pipeline model for now.
     state.timeline.append((action, state.clock, state.clock))
     return True
+
+
+def _room_for_guest(state: _RankState) -> bool:
+    """Before an ACCEPT: as `peer_store.AcceptorStore.accept`, hold at most `guest_cap` guests, waiting
+    (the rank's clock moves on) for the oldest returned guest's LOAD to end. False if that LOAD has not
+    been simulated yet (the partner's LOAD wakes this rank)."""
+    while True:
+        for key in [k for k, end in state.guests.items() if end is not None and end <= state.clock]:
+            del state.guests[key]
+        if len(state.guests) < state.guest_cap:
+            return True
+        oldest = next((k for k in state.guests if k in state.returned), None)
+        if oldest is None:
+            return True  # nothing sent back to wait for (the store goes on, as here)
+        end = state.guests[oldest]
+        if end is None:
+            return False
+        state.clock = max(state.clock, end)
 
 
 def _run_compute(rank: int, index: int, action: Action, durations: _Durations, state: _RankState) -> None:
@@ -404,6 +436,8 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
         state.parked.change(end, -1)
         if action.op is Op.LOAD:
             states[action.peer].ledger.change(end, -1, size)
+            if key in states[action.peer].guests:
+                states[action.peer].guests[key] = end
     state.lanes[lane] = end
     state.transfer_busy += duration
     state.timeline.append((action, start, end))

@@ -15,7 +15,7 @@ from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.offload_store import StashState
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerLink, PeerStore
 from megatron_pp.schedules.registry import build_schedule
-from megatron_pp.schedules.runtime import runtime_needs
+from megatron_pp.schedules.runtime import hosting_bound, runtime_needs
 from megatron_pp.schedules.simulate import CostModel, simulate
 from megatron_pp.schedules.store import ActivationStore
 from megatron_pp.training.train import build_pipeline, train_step
@@ -100,21 +100,21 @@ def test_stash_goes_to_the_partner_and_comes_back_exactly():
 P, M = 8, 8
 
 
-def _measure(ctx, name: str) -> dict:
+def _measure(ctx, name: str, p: int = P, m: int = M, options: dict | None = None) -> dict:
     """One step of `name` on gpt-tiny with one layer per stage: this rank's peak resident stashes (count,
     bytes), the loss and the bytes one microbatch's stash takes on each rank's stage, measured alone."""
     from tests.schedules.test_exactness import one_stash_bytes
 
-    state = ctx.parallel_state(1, P)
-    config = dataclasses.replace(get_preset("gpt-tiny"), num_layers=P)
-    schedule = build_schedule(name, P, M)
+    state = ctx.parallel_state(1, p)
+    config = dataclasses.replace(get_preset("gpt-tiny"), num_layers=p)
+    schedule = build_schedule(name, p, m, **(options or {}))
     pipe = build_pipeline(config, state, schedule, micro_batch_size=MICRO_BATCH, seed=SEED)
-    data = MockData(SEED, config.seq_length, config.vocab_size, MICRO_BATCH, MICRO_BATCH * M)
+    data = MockData(SEED, config.seq_length, config.vocab_size, MICRO_BATCH, MICRO_BATCH * m)
     result, _ = train_step(pipe, data.step_microbatches(0, 0))
     grads = {n: p.grad.clone() for n, p in pipe.chunks[0].named_parameters()}
     return {"pp_rank": state.pp_rank, "count": result.peak_stash_count, "bytes": result.peak_stash_bytes,
             "loss": None if result.loss_sum is None else float(result.loss_sum), "grads": grads,
-            "stash_bytes": one_stash_bytes("gpt-tiny", P, P, 1) if state.pp_rank == 0 else None,
+            "stash_bytes": one_stash_bytes("gpt-tiny", p, p, 1) if state.pp_rank == 0 else None,
             "hosted": getattr(pipe.executor.store, "peak_guests", 0)}
 
 
@@ -132,7 +132,7 @@ def test_measured_memory_per_rank_against_1f1b_and_the_simulator():
     schedule = build_schedule("bpipe", P, M)
     sim = simulate(schedule, CostModel(stash_bytes=per_stash))
     counts = [r["count"] for r in bpipe]
-    assert sim.peak_stash == [6, 6, 6, 5, 4, 4, 5, 4]
+    assert sim.peak_stash == [6, 6, 6, 5, 4, 4, 4, 4]
     assert max(counts) <= K + 1 and counts[0] < plain[0]["count"]
     hosts = runtime_needs(schedule).hosting_ranks
     assert hosts == (5, 6, 7)
@@ -147,15 +147,38 @@ def test_measured_memory_per_rank_against_1f1b_and_the_simulator():
             assert r["bytes"] == pytest.approx(sim.peak_bytes[rank], rel=0.02), rank
             continue
         # A hosted stash is held from its ACCEPT until the partner's LOAD has taken it back, which on a
-        # real run depends on the partner's pace: bounded by its own 1F1B stashes plus what is parked here.
+        # real run depends on the partner's pace: the store holds at most its list's hosting bound.
         partner = P - 1 - rank
-        parked = sum(1 for a in schedule.actions[partner] if a.op is Op.EVICT)
-        assert 1 <= r["hosted"] <= parked and r["count"] <= plain[rank]["count"] + r["hosted"], rank
+        bound = hosting_bound(schedule.actions[rank])
+        assert 1 <= r["hosted"] <= bound <= sum(1 for a in schedule.actions[partner] if a.op is Op.EVICT)
+        assert r["count"] <= plain[rank]["count"] + r["hosted"], rank
         assert r["bytes"] <= plain[rank]["bytes"] + r["hosted"] * per_stash[partner] * 1.02, rank
+    # BPipe's bound in bytes: no rank above (K + 1)/p of 1F1B's rank 0 (6/8 here).
+    assert max(r["bytes"] for r in bpipe) <= (K + 1) / P * plain[0]["bytes"] * 1.01
     # Same numerics as 1F1B (parking moves bytes, never values).
     assert bpipe[-1]["loss"] == plain[-1]["loss"]
     for a, b in zip(plain, bpipe):
         assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+
+
+@pytest.mark.parametrize("bound", [2, 3])
+def test_p4_acceptor_holds_its_lists_bound_measured(bound):
+    """p = 4, m = 8: rank 3 hosts rank 0's parked stashes. Its store holds at most `hosting_bound` of its
+    list (2 at K = 2: it used to keep one more for a stash on its way back, which made rank 3 the worst
+    rank at 1.04 of 1F1B's rank 0), so no rank exceeds (⌈(p + 2)/2⌉ + 1)/p = 1 of 1F1B's rank 0, measured
+    in bytes; the other ranks' measured counts are the simulated ones."""
+    p, m = 4, 8
+    plain = sorted(run_distributed(p, _measure, "1f1b", p, m), key=lambda r: r["pp_rank"])
+    bpipe = sorted(run_distributed(p, _measure, "bpipe", p, m, {"bpipe_max_resident": bound}),
+                   key=lambda r: r["pp_rank"])
+    schedule = build_schedule("bpipe", p, m, bpipe_max_resident=bound)
+    sim = simulate(schedule)
+    assert [r["count"] for r in bpipe[:3]] == sim.peak_stash[:3]
+    # The acceptor's guests leave at its partner's pace: at most its list's count, 2 at K = 2, 1 at K = 3.
+    assert bpipe[3]["hosted"] <= hosting_bound(schedule.actions[3]) == {2: 2, 3: 1}[bound]
+    assert bpipe[3]["count"] <= 1 + hosting_bound(schedule.actions[3])
+    assert max(r["bytes"] for r in bpipe) <= (default_max_resident(p) + 1) / p * plain[0]["bytes"]
+    assert bpipe[-1]["loss"] == plain[-1]["loss"]
 
 
 # Training end to end -------------------------------------------------------------------------------------
