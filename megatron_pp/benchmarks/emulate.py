@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +92,7 @@ def _sleep_until(deadline: float) -> float:
 @dataclass
 class Emulator:
     """Wraps one executor's handlers so compute and stash copies take `costs`' durations (module docstring).
-    Records, per step, every compute action's (label, start, end, waited, own) and every copy's
+    Records, per step, every compute action's (label, start, end, waited, own, cost) and every copy's
     (label, start, end) on the shared clock, and every message posting (`posts`)."""
 
     executor: object
@@ -139,7 +140,7 @@ class Emulator:
             own = _now() - start - input_wait
             duration = self.costs.duration(action.op, self._stage[action.chunk])
             _sleep_until(_now() + duration - own)
-            self.compute.append((str(action), begin, _now(), copy_wait + input_wait, own))
+            self.compute.append((str(action), begin, _now(), copy_wait + input_wait, own, duration))
         return run
 
     def _timed_copy(self, real):
@@ -305,10 +306,15 @@ def measure(per_rank: list[dict]) -> dict:
     waits, as `simulate` defines it) and the tiny model's share of busy time."""
     start, end = step_window(per_rank)
     window = end - start
-    busy = [sum(e - s - w for _, s, e, w, _ in r["compute"]) for r in per_rank]
-    own = sum(o for r in per_rank for *_, o in r["compute"])
+    busy = [sum(e - s - w for _, s, e, w, _, _ in r["compute"]) for r in per_rank]
+    own = sum(o for r in per_rank for _, _, _, _, o, _ in r["compute"])
+    # Where a measured step exceeds the simulated one: actions outlasting their cost (a late wake-up from the
+    # sleep) and the executor's work between compute actions (posting, the loop), both medians in seconds.
+    overrun = [e - s - w - d for r in per_rank for _, s, e, w, _, d in r["compute"]]
+    gaps = [b[1] - a[2] for r in per_rank for a, b in zip(r["compute"], r["compute"][1:])]
     return {"step_s": window, "bubble": sum((window - b) / window for b in busy) / len(busy),
-            "model_share": own / sum(busy), "busy_s": busy}
+            "model_share": own / sum(busy), "busy_s": busy, "overrun_s": statistics.median(overrun),
+            "gap_s": statistics.median(gaps) if gaps else 0.0}
 
 
 def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: list[str], unit_s: float, steps: int,
@@ -349,6 +355,8 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> di
            "bubble_error": (bubble - sim.bubble_fraction) / sim.bubble_fraction if sim.bubble_fraction else None,
            "steps_s": [x["step_s"] for x in per_step], "bubbles": [x["bubble"] for x in per_step],
            "model_share": statistics.median(x["model_share"] for x in per_step),
+           "action_overrun_ms": 1e3 * statistics.median(x["overrun_s"] for x in per_step),
+           "executor_gap_ms": 1e3 * statistics.median(x["gap_s"] for x in per_step),
            "load_average": [min(loads), max(loads)],
            "raised_priority": all(rank.get("prioritised", False) for s in steps for rank in s)}
     row["within_target"] = abs(row["step_error"]) <= 0.05 and (

@@ -68,7 +68,7 @@ def test_receives_are_posted_before_their_send_and_no_input_is_used_before_it_is
     schedule, step = _run(name, m)
     messages = _messages(schedule, step)
     assert len(messages) == sum(a.op in (Op.RECV_F, Op.RECV_B) for acts in schedule.actions for a in acts)
-    for send, recv, (begin, end, waited, own) in messages:
+    for send, recv, (begin, end, waited, own, cost) in messages:
         # The receive was waiting when the data left (one action of slack for a rank preempted on a busy host).
         assert recv <= send + UNIT_S
         assert end >= send  # the consumer finished only after its input was sent (causality)
@@ -82,7 +82,7 @@ def test_no_rank_idles_while_its_next_action_is_ready():
     bound absorbs wake-up latency on a loaded host); one whose input came later starts within that of the send."""
     unit = UNIT_S
     schedule, step = _run("zb-h1", 8, unit)
-    for send, _, (begin, end, waited, own) in _messages(schedule, step):
+    for send, _, (begin, end, waited, own, cost) in _messages(schedule, step):
         if send <= begin:
             assert waited <= unit
         else:
@@ -94,7 +94,7 @@ def test_stash_copies_finish_before_the_backward_that_needs_them():
     offloaded = 0
     for rank, record in enumerate(step):
         copies = {label: (start, end) for label, start, end in record["copies"]}
-        compute = {label: (begin, end, waited) for label, begin, end, waited, _ in record["compute"]}
+        compute = {label: (begin, end, waited) for label, begin, end, waited, _, _ in record["compute"]}
         for label, (start, end) in copies.items():
             if not label.startswith("OFFLOAD"):
                 continue
@@ -113,14 +113,16 @@ def test_stash_copies_finish_before_the_backward_that_needs_them():
 
 
 def test_measure_reads_step_and_bubble_from_records():
-    """Two ranks, one 10 s window: rank 0 busy 6 s (a 1 s wait inside), rank 1 busy 4 s -> bubble 0.5."""
+    """Two ranks, one 10 s window: rank 0 busy 6 s (a 1 s wait inside), rank 1 busy 4 s -> bubble 0.5; rank 0's
+    second action starts 0.5 s after its first ends (executor work), and each outlasts its cost by 0.5 s."""
     step = [{"started": 0.0, "events": [("F0.0", 0.0, 10.0)], "copies": [],
-             "compute": [("F0.0", 0.0, 7.0, 1.0, 0.5)]},
+             "compute": [("F0.0", 0.0, 4.0, 1.0, 0.25, 2.5), ("F1.0", 4.5, 7.5, 0.0, 0.25, 2.5)]},
             {"started": 1.0, "events": [("F0.0", 0.0, 5.0)], "copies": [],
-             "compute": [("F0.0", 2.0, 6.0, 0.0, 0.5)]}]
+             "compute": [("F0.0", 2.0, 6.0, 0.0, 0.5, 3.5)]}]
     measured = measure(step)
     assert measured["step_s"] == 10.0 and measured["bubble"] == pytest.approx(0.5)
     assert measured["model_share"] == pytest.approx(0.1)
+    assert measured["overrun_s"] == pytest.approx(0.5) and measured["gap_s"] == pytest.approx(0.5)
 
 
 def test_emulator_refuses_nothing_silently():
