@@ -287,3 +287,26 @@ def test_a_killed_rank_ends_the_job_in_seconds(slurm, clone):
     assert took < 45, f"the job ended {took:.0f} s after the kill"  # srun --kill-on-bad-exit, no watchdog wait
     out = _output(clone, job)
     assert out.count("training step failed with exit code") == 1, out
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_corrupt_index_on_one_rank_is_one_line_from_that_rank(slurm, clone, bad_rank):
+    """srun mode, 2 tasks: rank `bad_rank`'s node-local `.idx` is corrupt (tests/reliability/test_failing_rank.py
+    makes a directory per rank and a wrapper that runs the training script in its rank's). That rank's log
+    holds the job's one `error:` line, naming itself; the job exits 1 (a runtime failure), not 2, not silent."""
+    from tests.reliability.test_failing_rank import DATA, make_nodes
+
+    where = os.path.join(clone, f"nodes{bad_rank}")
+    os.makedirs(where)
+    wrapper = make_nodes(where, bad_rank, script=os.path.join(clone, "pretrain_gpt.py"))
+    flags = [a for a in MODEL if a != "--mock-data"]
+    job = _submit(slurm, clone, [SBATCH, os.path.relpath(wrapper, clone), *flags, *DATA, "--train-iters", "2"])
+    info = slurm.wait_for(job, ("FAILED", "COMPLETED"), 240)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), (info, _output(clone, job))
+    logs = {rank: open(os.path.join(clone, "logs", str(job), f"rank-{rank}.log"), errors="replace").read()
+            for rank in (0, 1)}
+    lines = [(rank, line) for rank, text in logs.items() for line in text.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0][0] == bad_rank, logs
+    assert lines[0][1].startswith(f"error: rank {bad_rank}: corpus.idx: not an indexed-dataset index"), lines
+    assert "Traceback" not in logs[0] + logs[1], logs
+    assert _output(clone, job).count(lines[0][1]) == 1, _output(clone, job)

@@ -1,0 +1,139 @@
+"""Whichever rank fails: a runtime failure that one rank meets (its node-local `.idx` is corrupt, its disk
+fills during a save, its gradient turns NaN, it dies) gives the job one `error:` line, from the rank that
+met it (or from rank 0 when every rank meets it), and the exit status of docs/reliability.md's table.
+
+Each failure is planted on rank 0 and on rank 1 of a 2-rank pipeline, under a plain launch (separate
+processes, as `srun` starts them: each rank's own status shows) and under torchrun (its agent stops the
+others once one exits). A node-local file is simulated by giving each rank its own working directory
+(`node0/`, `node1/`) and a relative `--data-path`: a wrapper script changes to `node<RANK>/` before it
+runs `pretrain_gpt.py`, so it works under any launcher. The same under a real `srun`:
+tests/launch/test_slurm.py::test_a_corrupt_index_on_one_rank_is_one_line_from_that_rank.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_pp.data.indexed import write_dataset
+from megatron_pp.training.faults import ENV_VAR
+from tests.reliability.ranks import ROOT, free_port, launch_ranks, stderr_of, wait_all
+
+TINY = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--global-batch-size", "2", "--seed", "3",
+        "--pipeline-model-parallel-size", "2", "--heartbeat-timeout-seconds", "6", "--log-interval", "1000"]
+DATA = ["--data-path", "corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--split", "100,0,0"]
+# Runs the training script in node<RANK>/ of the directory it lives in: a per-rank (node-local) disk.
+WRAPPER = """import os, runpy, sys
+here = os.path.dirname(os.path.abspath(__file__))
+os.chdir(os.path.join(here, "node" + os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))))
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def make_nodes(directory, bad_rank: int, script: str = os.path.join(ROOT, "pretrain_gpt.py")) -> str:
+    """node0/ and node1/ under `directory`, each with a tiny corpus; `bad_rank`'s index has a foreign magic
+    number. Returns the path of the wrapper that runs `script` in node<RANK>/."""
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(0, 300, 40), 300) for _ in range(20)]
+    for rank in (0, 1):
+        node = os.path.join(directory, f"node{rank}")
+        os.makedirs(node, exist_ok=True)
+        write_dataset(os.path.join(node, "corpus"), docs, np.uint16)
+    bad = os.path.join(directory, f"node{bad_rank}", "corpus.idx")
+    with open(bad, "rb") as f:
+        idx = f.read()
+    with open(bad, "wb") as f:
+        f.write(b"NOTANIDX!" + idx[9:])
+    wrapper = os.path.join(directory, "on_node.py")
+    with open(wrapper, "w") as f:
+        f.write(WRAPPER.format(script=script))
+    return wrapper
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def _plain(tmp_path, argv, env=None, script="pretrain_gpt.py"):
+    procs = launch_ranks(2, argv, str(tmp_path), env=env, script=script)
+    codes = wait_all(procs, timeout=240)
+    return codes, [stderr_of(str(tmp_path), r) for r in range(2)]
+
+
+def _torchrun(tmp_path, argv, env=None, script=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           script or os.path.join(ROOT, "pretrain_gpt.py"), *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _worker_statuses(agent_stderr: str) -> list[int]:
+    return [int(code) for code in re.findall(r"^\s*exitcode\s+:\s*(-?\d+)", agent_stderr, re.M)]
+
+
+def _one_line_from(errs: list[str], rank: int, needle: str) -> str:
+    """The job printed exactly one `error:` line, on `rank`'s stderr, naming `needle`; nothing else there."""
+    lines = [(r, line) for r in range(2) for line in _error_lines(errs[r])]
+    assert len(lines) == 1 and lines[0][0] == rank, errs
+    assert needle in lines[0][1] and "Traceback" not in "".join(errs), errs
+    return lines[0][1]
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_corrupt_node_local_index_is_one_line_from_its_rank(tmp_path, bad_rank):
+    wrapper = make_nodes(str(tmp_path), bad_rank)
+    codes, errs = _plain(tmp_path, TINY + DATA + ["--train-iters", "2"], script=wrapper)
+    assert codes == [1, 1], (codes, errs)
+    line = _one_line_from(errs, bad_rank, "corpus.idx: not an indexed-dataset index")
+    assert line.startswith(f"error: rank {bad_rank}: "), line  # only that rank saw it: it says so
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_corrupt_node_local_index_under_torchrun(tmp_path, bad_rank):
+    wrapper = make_nodes(str(tmp_path), bad_rank)
+    proc = _torchrun(tmp_path, TINY + DATA + ["--train-iters", "2"], script=wrapper)
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: rank {bad_rank}: corpus.idx: not an indexed"), proc.stderr
+    statuses = _worker_statuses(proc.stderr)
+    # The failing worker exits 1; the agent then SIGTERMs one still running or tearing down (-15).
+    assert proc.returncode == 1 and 1 in statuses and set(statuses) <= {1, -15}, proc.stderr
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_full_disk_on_one_rank_is_one_line_from_that_rank(tmp_path, bad_rank):
+    argv = TINY + ["--mock-data", "--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "1"]
+    codes, errs = _plain(tmp_path, argv, env={ENV_VAR: f"enospc_save@1:{bad_rank}"})
+    assert codes == [1, 1], (codes, errs)
+    line = _one_line_from(errs, bad_rank, "No space left on device")
+    assert line.startswith(f"error: rank {bad_rank}: saving checkpoint "), line
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path, bad_rank):
+    """The gradient norm is agreed over the ranks, so every rank stops in the same iteration with the same
+    line: rank 0 prints it once, for the job."""
+    argv = TINY + ["--mock-data", "--train-iters", "4", "--max-consecutive-nonfinite", "1"]
+    codes, errs = _plain(tmp_path, argv, env={ENV_VAR: f"nan_grad@2:{bad_rank}"})
+    assert codes == [1, 1], (codes, errs)
+    line = _one_line_from(errs, 0, "iteration 2: loss or gradients not finite for 1 consecutive step")
+    assert not line.startswith("error: rank "), line
+
+
+@pytest.mark.parametrize("dead_rank", [0, 1])
+def test_a_dead_rank_is_named_once_by_the_survivor(tmp_path, dead_rank):
+    """The survivor names the dead rank in one line and exits 1. Rank 0 of a plain launch hosts the job's
+    store, so its death takes the store too: the survivor says that (docs/reliability.md, Limits; torch's
+    store client adds its own warning lines, which are not `error:` lines)."""
+    argv = TINY + ["--mock-data", "--train-iters", "1000"]
+    codes, errs = _plain(tmp_path, argv, env={ENV_VAR: f"kill_in_step@3:{dead_rank}"})
+    survivor = 1 - dead_rank
+    assert codes[dead_rank] == -signal.SIGKILL and codes[survivor] == 1, (codes, errs)
+    needle = "rank 1 failed or stopped responding" if dead_rank == 1 else "rank 0 or the launcher hosting it is gone"
+    lines = [(r, line) for r in range(2) for line in _error_lines(errs[r])]
+    assert len(lines) == 1 and lines[0][0] == survivor and needle in lines[0][1], errs
