@@ -338,8 +338,9 @@ def run_tests(repo: str, tests: Sequence[str], timeout: float) -> tuple[str, Opt
     raise RuntimeError(f"pytest exited {proc.returncode} on {' '.join(tests)}:\n{output[-2000:]}")
 
 
-def check(root: str, mutants: Sequence[Mutant], timeout: float, log=print) -> list[dict]:
-    """Run each mutant's covering tests in a private copy of `root`; one result dict per mutant."""
+def check(root: str, mutants: Sequence[Mutant], timeout: float, log=print, on_result=None) -> list[dict]:
+    """Run each mutant's covering tests in a private copy of `root`; one result dict per mutant.
+    `on_result(results so far)` is called after each mutant (a long run's partial report)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="mutation-") as scratch:
         repo = _copy_tree(root, scratch)
@@ -363,6 +364,8 @@ def check(root: str, mutants: Sequence[Mutant], timeout: float, log=print) -> li
             results.append({**_describe(mutant), "outcome": "survived" if outcome == "passed" else outcome,
                             "killed_by_suite": test, "seconds": round(seconds, 1)})
             log(f"[{n}/{len(mutants)}] {mutant.id}: {results[-1]['outcome']} ({seconds:.0f} s)")
+            if on_result is not None:
+                on_result(results)
     return results
 
 
@@ -475,8 +478,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.sample is not None:
         mutants = sorted(random.Random(args.seed).sample(mutants, min(args.sample, len(mutants))),
                          key=lambda m: (m.path, m.line, m.col, m.operator))
-    results = check(ROOT, mutants, args.timeout)
     command = "python dev/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def partial(results: list[dict]) -> None:
+        # Written after every mutant, so a run stopped early still leaves what it measured (marked partial).
+        if args.out and len(results) < len(mutants):
+            write_json(args.out, {**report(results, notes, command), "partial": f"{len(results)} of {len(mutants)}"})
+
+    results = check(ROOT, mutants, args.timeout, on_result=partial)
     summary = report(results, notes, command)
     if args.since is not None:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

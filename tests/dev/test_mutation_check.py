@@ -45,8 +45,10 @@ def test_run_on_a_toy_repository_reports_killed_and_survivors(tmp_path, monkeypa
     monkeypatch.setitem(mutation_check.COVERING, "toy.py", ["test_toy.py"])
     by_key = {(m.line, m.col, m.operator): m for m in mutation_check.mutants_of("toy.py", TOY)}
     chosen = [by_key[8, 11, "cmp"], by_key[7, 4, "drop"]]  # the boundary is tested, the print is not
-    results = mutation_check.check(str(tmp_path), chosen, timeout=120, log=lambda _: None)
-    assert [r["outcome"] for r in results] == ["failed", "survived"]
+    seen = []  # a partial report after each mutant
+    results = mutation_check.check(str(tmp_path), chosen, timeout=120, log=lambda _: None,
+                                   on_result=lambda so_far: seen.append(len(so_far)))
+    assert [r["outcome"] for r in results] == ["failed", "survived"] and seen == [1, 2]
     assert results[0]["killed_by_suite"] == "test_toy.py::test_limit"
     assert (tmp_path / "toy.py").read_text() == TOY  # the working tree is never touched
     notes = {results[1]["id"]: {"equivalent": "printing changes no number"}}
