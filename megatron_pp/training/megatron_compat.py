@@ -59,9 +59,10 @@ FP8_FLAGS = ("--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-interval", "
              "--fp8-amax-compute-algo", "--fp8-param-gather")
 """TransformerEngine's fp8 training: refused when given (no fp8 GEMMs here)."""
 
-CKPT_FORMATS = {"torch": "torch", "torch_dist": "torch_dist"}
-"""--ckpt-format values and the Megatron-LM format `tools/convert_checkpoint.py --to` writes for each;
---save / --load always use this project's resumable checkpoints (per-rank torch files and metadata)."""
+CKPT_FORMATS = {"torch": "megatron_lm", "torch_dist": "torch_dist"}
+"""--ckpt-format values and the `tools/convert_checkpoint.py --target-format` that writes each from our
+checkpoints; --save / --load always use this project's resumable checkpoints (per-rank torch files and
+metadata)."""
 
 
 def _dest(flag: str) -> str:
@@ -130,6 +131,10 @@ def accepted_without_effect(args: argparse.Namespace) -> Optional[str]:
         given.append("--calculate-per-token-loss (the loss here is always per token)")
     if getattr(args, "sequence_parallel_at_tp1", False):
         given.append("--sequence-parallel (off at tensor-parallel size 1, as in Megatron-LM)")
+    if getattr(args, "ckpt_format", None) is not None:
+        given.append(f"--ckpt-format {args.ckpt_format} (--save writes this project's checkpoints; "
+                     f"tools/convert_checkpoint.py --target-format {CKPT_FORMATS[args.ckpt_format]} "
+                     "writes Megatron-LM's)")
     if getattr(args, "context_parallel_size", None) == 1:
         given.append("--context-parallel-size 1")
     if not given:
