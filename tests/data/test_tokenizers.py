@@ -144,3 +144,25 @@ def test_null_tokenizer_follows_megatron():
 def test_training_rejects_a_vocabulary_below_the_byte_alphabet(tmp_path):
     with pytest.raises(ValueError, match="--vocab-size 100 is too small for byte-level BPE"):
         train_bpe(["some text"], 100, str(tmp_path))
+
+
+def test_hugging_face_tokenizer_adds_its_special_tokens_as_megatron_lm_does(tmp_path):
+    """Megatron-LM's HuggingFaceTokenizer calls the tokenizer with its defaults, so a LLaMA-style post-processor's
+    BOS starts every document; GPT2BPETokenizer on the same file adds none; --no-special-tokens turns it off."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models as rust_models
+    from tokenizers import pre_tokenizers as rust_pre
+    from tokenizers.processors import TemplateProcessing
+
+    from megatron_pp.data.tokenizers import build_tokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "pipeline": 3, "stage": 4}
+    rust = RustTokenizer(rust_models.WordLevel(vocab, unk_token="<unk>"))
+    rust.pre_tokenizer = rust_pre.Whitespace()
+    rust.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    path = str(tmp_path / "tokenizer.json")
+    rust.save(path)
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path).tokenize("pipeline stage") == [0, 3, 4]
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path,
+                           add_special_tokens=False).tokenize("pipeline stage") == [3, 4]
+    assert build_tokenizer("GPT2BPETokenizer", tokenizer_model=path).tokenize("pipeline stage") == [3, 4]

@@ -1,0 +1,62 @@
+"""tools/print_samples.py: the first N samples a job reads, in its order, one JSON list a line; bad flags in
+one line with exit status 2."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_pp.data.builder import DataConfig, build_datasets, split_sample_counts
+from tests.data import write_numbered_dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
+import print_samples  # noqa: E402
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_numbered_dataset(a, [(7 * i) % 29 + 1 for i in range(60)])
+    write_numbered_dataset(b, [(5 * i) % 13 + 3 for i in range(40)], first=100_000)
+    return a, b
+
+
+def test_writes_the_samples_the_job_reads_in_order(corpus, tmp_path):
+    a, b = corpus
+    out = str(tmp_path / "samples.jsonl")
+    job = ["--data-path", "0.3", a, "0.7", b, "--split", "90,8,2", "--seq-length", "8", "--seed", "3",
+           "--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-interval", "5",
+           "--eval-iters", "2", "--num-layers", "2", "--data-cache-path", str(tmp_path / "cache")]
+    assert print_samples.main(job + ["--num-samples", "30", "--json", out]) == 0
+    rows = [json.loads(line) for line in open(out)]
+    config = DataConfig(seq_length=8, seed=3, data_path=["0.3", a, "0.7", b], split="90,8,2",
+                        cache_dir=str(tmp_path / "cache"))
+    train, valid, _ = build_datasets(config, split_sample_counts(160, 8, 2, 5, 20), eod_id=0)
+    assert len(rows) == 30 and all(len(row) == 9 for row in rows)
+    assert rows == [train.sample(i).tolist() for i in range(30)]
+    assert {row[0] >= 100_000 for row in rows} == {True, False}  # both datasets feed the blend
+    assert print_samples.main(job + ["--num-samples", "4", "--first-sample", "16", "--split-name", "valid",
+                                     "--json", out]) == 0
+    assert [json.loads(line) for line in open(out)] == [valid.sample(i).tolist() for i in range(16, 20)]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data-path", "0", "A", "0", "B"], "--data-path: the weights sum to 0"),
+    (["--data-path", "B", "--split", "969,30,1", "--eval-interval", "5"], "leaves"),
+    (["--data-path", "A", "--data-order", "shuffled"], "--data-order"),
+])
+def test_bad_flags_are_one_line_and_exit_2(corpus, tmp_path, capsys, flags, message):
+    a, b = corpus
+    flags = [a if f == "A" else b if f == "B" else f for f in flags]
+    base = ["--seq-length", "8", "--train-iters", "4", "--global-batch-size", "4", "--num-samples", "2",
+            "--json", str(tmp_path / "x.jsonl"), "--data-cache-path", str(tmp_path / "cache")]
+    try:
+        status = print_samples.main(flags + base)
+    except SystemExit as exc:  # argparse's own checks (choices) exit from inside parse_args
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "x.jsonl")
