@@ -11,6 +11,7 @@ from megatron_pp.planning.memory import stash_bytes
 from megatron_pp.planning.papers.common import (GB, GIB, PaperReport, Row, Setting, efficiency_home, job_for,
                                                 layer_model, load_hardware_profile, load_setting, relative_error)
 from megatron_pp.planning.papers.small import SmallScale, peak_trend, ratio_trend, tiny_config
+from megatron_pp.schedules.bpipe import default_max_resident
 from megatron_pp.schedules.registry import build_schedule
 from megatron_pp.schedules.simulate import CostModel, simulate
 
@@ -167,12 +168,18 @@ def predict_bpipe_reeval(hardware: str = "a100-80gb", efficiency_file: Optional[
 
 
 def small_scale_bpipe(report: PaperReport, small: SmallScale, quick: bool = True) -> None:
-    """BPipe's stash trend at small scale: BPipe (K = 2) against 1F1B."""
+    """BPipe's stash trend at small scale: BPipe at K = 2 and at its default bound against 1F1B, p = 4 (and
+    p = 8 unless `quick`), per rank, measured and simulated; each worst rank against the bound
+    (⌈(p + 2)/2⌉ + 1)/p of 1F1B's rank 0 (1.00 at p = 4, 0.75 at p = 8)."""
     cfg = tiny_config()
-    peaks = peak_trend(report, small, "BPipe", cfg, [
-        ("1f1b", "1f1b", 4, 8, 1, {}, "none"), ("bpipe K=2", "bpipe", 4, 8, 1, {"bpipe_max_resident": 2}, "none")])
-    ratio_trend(report, "BPipe: worst-rank stash, BPipe (K=2) / 1F1B", "pp 4, m 8", peaks["bpipe K=2"],
-                 peaks["1f1b"])
+    for pp in (4,) if quick else (4, 8):
+        m, default = 2 * pp, default_max_resident(pp)
+        bounds = (2, default) if pp == 4 else (default,)
+        peaks = peak_trend(report, small, "BPipe", cfg, [("1f1b", "1f1b", pp, m, 1, {}, "none")] + [
+            (f"bpipe K={k}", "bpipe", pp, m, 1, {"bpipe_max_resident": k}, "none") for k in bounds])
+        for k in bounds:
+            ratio_trend(report, f"BPipe: worst-rank stash, BPipe (K={k}) / 1F1B",
+                        f"pp {pp}, m {m}; bound {(default + 1) / pp:.2f}", peaks[f"bpipe K={k}"], peaks["1f1b"])
 
 
 def small_scale_bpipe_reeval(report: PaperReport, small: SmallScale, quick: bool = True) -> None:

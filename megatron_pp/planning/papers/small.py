@@ -119,7 +119,7 @@ def peak_trend(report: PaperReport, small: SmallScale, label: str, config: Trans
     one Trend per run (worst rank) plus the returned {name: (measured, predicted)} for ratio rows."""
     out = {}
     for key, name, pp, m, v, options, recompute in runs:
-        measured = small.run(config, name, pp, m, v, options, micro_batch)
+        measured = small.run(config, name, pp, m, v, options, micro_batch, world=pp)
         per_rank_measured = [r["peak_stash_bytes"] for r in measured][:pp]
         predicted = predicted_stash_peaks(config, name, pp, m, v, options, micro_batch, recompute)
         errors = [relative_error(pr, me) for pr, me in zip(predicted, per_rank_measured) if me]
