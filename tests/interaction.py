@@ -49,9 +49,17 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
         return {n: p.detach().clone() for n, p in named(seen["pipe"])}
 
     def capturing_pipeline(*a, **kw):
-        seen["pipe"] = build_pipeline(*a, **kw)
-        seen["before"] = snapshot()
-        return seen["pipe"]
+        pipe = seen["pipe"] = build_pipeline(*a, **kw)
+        seen["before"], seen["host_bytes"] = snapshot(), 0
+        run = pipe.executor.run
+
+        def measured_run(*ra, **rkw):  # the most host memory the offload store held in any step
+            result = run(*ra, **rkw)
+            seen["host_bytes"] = max(seen["host_bytes"], getattr(result, "peak_host_bytes", 0) or 0)
+            return result
+
+        pipe.executor.run = measured_run
+        return pipe
 
     def capturing_optimizer(*a, **kw):
         optimizer = build_optimizer(*a, **kw)
@@ -78,8 +86,10 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     finally:
         train.build_pipeline, train.build_optimizer = build_pipeline, build_optimizer
     keep = state.tp_rank == 0 and state.dp_rank == 0
+    offloads = sum(a.op.value == "OFFLOAD" for a in seen["pipe"].schedule.actions[state.pp_rank])
     return {"rows": rows, "unchanged": unchanged, "grads": grads if keep else [], "pp_rank": state.pp_rank,
-            "params": sorted(n for n, _ in named(seen["pipe"]))}
+            "params": sorted(n for n, _ in named(seen["pipe"])), "offloads": offloads,
+            "host_bytes": seen["host_bytes"]}
 
 
 def _full_grads(pipe, optimizer, state) -> dict:
@@ -157,6 +167,14 @@ def check_run(job: Job, results: list[dict], compare: Callable[[list[dict]], Non
     for step, (loss, norm, skipped) in enumerate(rows, 1):
         assert math.isfinite(loss), f"{job.name}: step {step} loss {loss}"
         assert not skipped and math.isfinite(norm), f"{job.name}: step {step} skipped (grad norm {norm})"
+    # An offload flag is not dropped on the way (issue 37 saw a schedule file run without its --offload-fraction):
+    # the job's lists offload (1F1B offloads on ranks 0..p-3 only, so none at p = 2), and every rank whose list
+    # offloads held stashes in host memory (the models are sized so that every stash has something to move).
+    settings = job.settings
+    if settings["offload"] != "none" and not (settings["schedule"] == "1f1b" and settings["layout"][1] == 2):
+        assert sum(r["offloads"] for r in results), f"{job.name}: --offload-{settings['offload']} offloads nothing"
+    for r in results:
+        assert not r["offloads"] or r["host_bytes"] > 0, f"{job.name}: rank {r['pp_rank']} offloads, moved nothing"
     if job.settings["schedule"] == "2bw":
         # 2BW's rows come when its deferred update has run, not after each step's own update (two steps: both
         # updates run in the job's last call), so the check is over the job: every tensor moved in some step.

@@ -19,7 +19,7 @@ schedule declares in the registry (no virtual stages, exactly two chunks, which 
 parallelism without tensor parallelism, and llama-tiny has no flag that ties its embeddings. What the code
 refuses beyond that is an outcome each case checks (`refusal`): one line that names a flag the case gave.
 
-A case is a command line (`job_argv`): gpt-tiny / llama-tiny shrunk to hidden 32, 4 heads, sequence 16, one
+A case is a command line (`job_argv`): gpt-tiny / llama-tiny at hidden 64, 4 heads, FFN 64, sequence 48, one
 layer per pipeline stage, m = p + 1 microbatches of 1 sample, two steps of AdamW. tests/interaction.py runs it
 (the real `pretrain` on tests/dist.py's gloo pool) and checks it against its reference; `refusal` is the
 start-up path's verdict, which tools/schedule_matrix.py lists for the array's refused cases. This module is in
@@ -273,11 +273,15 @@ def microbatches(pp: int) -> int:
 
 
 def model_flags(case: dict) -> list[str]:
-    """The smallest models: the preset at hidden 32, 4 heads, sequence 16, one layer per pipeline stage."""
+    """The smallest models that still offload: the preset at hidden 64, 4 heads, FFN 64, sequence 48, one layer per
+    pipeline stage. The host store leaves storages of <= 1,024 elements on the device (offload_store.py's
+    `min_numel`), so every stash must hold larger ones in every case: under full recompute with sequence
+    parallelism a stash is the layer input's shard, 24 x 64 = 1,536 elements here. (At hidden 32 and sequence 16
+    --offload-* moved nothing under tp 2 or full recompute: the lists offloaded, the store found nothing to move.)"""
     tp, pp, dp = case["layout"]
-    flags = ["--model-preset", case["model"], "--num-layers", str(pp * case["virtual"]), "--hidden-size", "32",
-             "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "16",
-             "--max-position-embeddings", "16"]
+    flags = ["--model-preset", case["model"], "--num-layers", str(pp * case["virtual"]), "--hidden-size", "64",
+             "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "48",
+             "--max-position-embeddings", "48"]
     flags += ["--group-query-attention", "--num-query-groups", "2"] if case["attention"] == "gqa" else \
         ["--num-query-groups", "4"]
     if case["embeddings"] == "untied" and case["model"] == "gpt-tiny":
