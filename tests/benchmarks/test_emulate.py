@@ -135,3 +135,20 @@ def test_emulator_refuses_nothing_silently():
     originals = dict(FakeExecutor.handlers)
     Emulator(FakeExecutor, family_schedule("1f1b", 2, 2), cost_model("equal", UNIT_S))
     assert all(FakeExecutor.handlers[op] is not originals[op] for op in originals)
+
+
+def test_emulate_bad_input_is_one_line_before_any_pool(capsys):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    import trace_vs_sim
+
+    for argv in (["--costs", "fast"], ["--microbatches", "2q"], ["--schedules", "2bw", "--microbatches", "3"],
+                 ["--steps", "0"], ["--schedules", "po-f"]):
+        assert trace_vs_sim.main(["--emulate", "--pp", "4", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith("trace_vs_sim.py: error: ") for line in lines)
+    assert "--costs" in lines[0] and "--microbatches" in lines[1] and "m >= p" in lines[2]
+    assert "--steps" in lines[3] and "'po-f'" in lines[4]
