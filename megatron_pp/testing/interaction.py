@@ -65,7 +65,8 @@ def _builtin_entries() -> list:
     load into the same process register theirs too, and must not change the array)."""
     from megatron_pp.schedules.registry import registered_schedules
 
-    return [e for e in registered_schedules() if getattr(e.builder, "__module__", "").startswith("megatron_pp.")]
+    return [e for e in registered_schedules() if getattr(e.builder, "__module__", "").startswith("megatron_pp.")
+            and not e.name.startswith("file:")]  # a schedule file registered by the planner is not a built-in
 
 
 _BUILTIN = _builtin_entries()
