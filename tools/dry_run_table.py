@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from megatron_pp.planning.cost import Evaluator  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES  # noqa: E402
 from megatron_pp.planning.job import Cluster, Configuration, Job  # noqa: E402
@@ -61,20 +63,30 @@ def planner_row(args: argparse.Namespace, num_chunks: int) -> dict:
             "reserve_note": "memory_bytes excludes the planner's reserved fraction of the device"}
 
 
-def run(name: str, ranks: str | None) -> dict:
+def run(name: str, ranks: str | None, on_rank=lambda partial: None) -> dict:
+    """Dry-run `name`'s ranks one at a time (`on_rank` sees the partial result after each, so a long run
+    that is stopped keeps what it measured), then match their communication and ask the planner."""
+    from megatron_pp.training.arguments import num_chunks
+    from megatron_pp.training.dry_run_agree import disagreements
+
     argv = argv_of(name) + (["--dry-run-ranks", ranks] if ranks else [])
     args = parse_args(argv)
-    began_wall, began_cpu = time.perf_counter(), time.process_time()
-    reports, problems = dry_run.dry_run(args)
-    wall, cpu = time.perf_counter() - began_wall, time.process_time() - began_cpu
-    from megatron_pp.training.arguments import num_chunks
-    chunks = num_chunks(args, model_config_from_args(args))
     try:
-        planner = planner_row(args, chunks)
+        planner = planner_row(args, num_chunks(args, model_config_from_args(args)))
     except Exception as err:  # noqa: BLE001 - a schedule the planner cannot model is reported, not fatal
         planner = {"error": f"{type(err).__name__}: {err}"}
-    return {"name": name, "command": "python pretrain_llama.py " + " ".join(argv), "ranks": [r.row() for r in reports],
-            "disagreements": problems, "planner": planner, "cpu_seconds": cpu, "wall_seconds": wall}
+    result = {"name": name, "command": "python pretrain_llama.py " + " ".join(argv), "ranks": [],
+              "disagreements": [], "planner": planner, "cpu_seconds": 0.0, "wall_seconds": 0.0}
+    reports = []
+    for rank in dry_run.chosen_ranks(args):
+        began_wall, began_cpu = time.perf_counter(), time.process_time()
+        reports.append(dry_run.run_rank(args, rank, torch.device(args.dry_run_device)))
+        result["ranks"].append(reports[-1].row())
+        result["cpu_seconds"] += time.process_time() - began_cpu
+        result["wall_seconds"] += time.perf_counter() - began_wall
+        on_rank(result)
+    result["disagreements"] = disagreements({r.rank: r.comm for r in reports})
+    return result
 
 
 def markdown(results: list[dict]) -> str:
@@ -106,15 +118,21 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: --configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})", file=sys.stderr)
         return 2
-    results = []
+    results: list[dict] = []
+
+    def write(partial: dict) -> None:
+        print(f"{partial['name']}: rank {partial['ranks'][-1]['rank']} done, {partial['cpu_seconds']:.1f} CPU s "
+              f"so far", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({
+                "machine": platform.processor() or platform.machine(),
+                "note": "CPU seconds are this process's time on a shared 2-core machine (wall time is not comparable)",
+                "results": results + [partial]}, indent=1))
+
     for name in names:
-        results.append(run(name, args.ranks))
-        print(f"{name}: {len(results[-1]['ranks'])} ranks, {results[-1]['cpu_seconds']:.1f} CPU s", flush=True)
+        results.append(run(name, args.ranks, write))
     print(markdown(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                              "note": "CPU seconds are process time on a shared 2-core machine",
-                                              "results": results}, indent=1))
+    write(results.pop())
     return 0
 
 

@@ -93,3 +93,24 @@ def test_the_entry_point_takes_the_dry_run(tmp_path):
     import json
     rows = json.loads(out.read_text())["ranks"]
     assert [r["rank"] for r in rows] == [0] and rows[0]["peak_bytes"] >= rows[0]["stash_peak_bytes"] > 0
+
+
+def _stash_peaks(schedule: str, *extra: str) -> list[int]:
+    args = parse_args(TINY + ["--micro-batch-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                              "--pipeline-schedule", schedule, *extra, "--dry-run", "2", "--dry-run-ranks", "all"])
+    reports, problems = dry_run.dry_run(args)
+    assert problems == []
+    return [r.stash_peak_bytes for r in reports]
+
+
+def test_gpipe_holds_four_times_the_stashes_of_1f1b_on_rank_0_at_m_8():
+    """m = 8, p = 2: GPipe keeps all 8 forwards' stashes on rank 0, 1F1B keeps p = 2 (same stage, same bytes)."""
+    gpipe, one_f_one_b = _stash_peaks("gpipe"), _stash_peaks("1f1b")
+    assert gpipe[0] == 4 * one_f_one_b[0]
+
+
+def test_a_schedule_the_dry_run_cannot_drive_is_one_line_and_exit_2(capsys):
+    args = parse_args(TINY + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--dry-run", "2"])
+    assert dry_run.main(args) == 2
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --dry-run: --pipeline-schedule 2bw"), lines
