@@ -158,8 +158,8 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     """(dataset of each blended sample, int16; its number within that dataset, int64): the greedy
     largest-error choice of the module doc, over the normalised `weights`.
 
-    A plain loop (about a microsecond per sample per dataset): a blend of 10^8 samples builds in minutes,
-    once, and is cached.
+    A plain Python loop over the samples (megatron-core's is C++): slow for very large blends, but it runs
+    once, on the builder rank, and is cached.
     """
     w = normalise(weights)
     if len(w) >= 2**15:

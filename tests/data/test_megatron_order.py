@@ -127,10 +127,10 @@ def _megatron_sampler(consumed: int, total: int, micro_batch_size: int, dp_rank:
 def test_global_batches_at_dp_1_and_2_and_a_resume_mid_epoch(mcore, corpus, tmp_path, dp_size):
     a, _ = corpus
     micro, global_batch, iters = 2, 8, 30  # 240 samples: the second epoch starts in iteration 13
-    theirs = mcore([iters * global_batch, 8, 8], str(tmp_path / "mcore"), blend=([a], None), split="98,1,1")[0]
+    theirs = mcore([iters * global_batch, 8, 8], str(tmp_path / "mcore"), blend=([a], None), split="90,8,2")[0]
     consumed = 13 * global_batch  # a checkpoint taken mid second epoch
     for resumed in (False, True):
-        train = _ours(tmp_path, (iters * global_batch, 8, 8), data_path=[a], split="98,1,1")[0]  # resumed: from cache
+        train = _ours(tmp_path, (iters * global_batch, 8, 8), data_path=[a], split="90,8,2")[0]  # resumed: from cache
         data = TrainingData(train, None, micro, global_batch, dp_size)
         for iteration in range(13 if resumed else 0, 16 if resumed else 4):
             for rank in range(dp_size):
