@@ -52,7 +52,7 @@ def mcore_run():
     def run(world_size: int, fn, *args):
         if world_size not in pools:
             pools[world_size] = WorkerPool(world_size)
-        return pools[world_size].run(fn, *args)
+        return pools[world_size].run(fn, *args, timeout=600)  # megatron-core's import is slow on a busy machine
 
     yield run
     for pool in pools.values():

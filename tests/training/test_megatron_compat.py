@@ -41,7 +41,7 @@ def _mcore_lrs(ctx, warmup_samples: float, decay_samples: int, steps: int) -> li
 @pytest.fixture(scope="module")
 def mcore_run():
     pool = WorkerPool(1)  # megatron-core is imported in a worker of this module only
-    yield lambda fn, *args: pool.run(fn, *args)[0]
+    yield lambda fn, *args: pool.run(fn, *args, timeout=600)[0]  # megatron-core's import is slow on a busy machine
     pool.close()
 
 
