@@ -39,7 +39,8 @@ the forward that exceeds the bound holds its new stash before it can leave. The 
 pending evictions before the next forward allocates, so it never holds K + 2. The partner holds its own
 ≤ x + 1 stashes and at most `runtime.hosting_bound` guests, the most its list has accepted and not
 returned (≤ p − x − K, the most parked at once); its store waits at an ACCEPT for a returned guest to
-have left rather than hold one more, which the lists placed this way never need on the simulated timeline.
+have left rather than hold one more, which the built-in lists for p ≤ 9 never need on the simulated
+timeline under the default costs (tested); with slower transfers it can (docs/bpipe.md, "The bound, measured").
 
 Worked example, p = 4, m = 8, K = 3 (`format_table(per_row=10)` with transfers shown). Rank 0's 1F1B
 peak is 4, so from F3 on each forward's stash goes to rank 3 and comes back after the next backward;
