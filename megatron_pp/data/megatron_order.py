@@ -164,18 +164,22 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     w = normalise(weights)
     if len(w) >= 2**15:
         raise ValueError(f"a blend holds at most 32767 datasets, got {len(w)}")
+    # Python lists and floats (IEEE doubles, the same products and differences as a C++ loop), converted
+    # once at the end: writing numpy elements one at a time costs more than the choice itself.
     taken = [0] * len(w)
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    others = range(1, len(w))
+    chosen = [0] * size
+    numbers = [0] * size
+    others = list(enumerate(w))[1:]
     for i in range(size):
         scale = float(max(i, 1))
         best, best_error = 0, w[0] * scale - taken[0]
-        for d in others:
-            error = w[d] * scale - taken[d]
+        for d, weight in others:
+            error = weight * scale - taken[d]
             if error > best_error:
                 best, best_error = d, error
-        dataset_index[i] = best
-        dataset_sample_index[i] = taken[best]
+        chosen[i] = best
+        numbers[i] = taken[best]
         taken[best] += 1
+    dataset_index = np.array(chosen, dtype=np.int16)
+    dataset_sample_index = np.array(numbers, dtype=np.int64)
     return dataset_index, dataset_sample_index
