@@ -184,3 +184,16 @@ def test_split_bounds_and_counts_follow_megatron():
     # Greedy blend, weights 0.25 / 0.75 (the module doc's example).
     assert megatron_order.blending_indices([0.25, 0.75], 8)[0].tolist() == [1, 0, 1, 1, 0, 1, 1, 1]
     assert megatron_order.blend_sizes([3, 7], 1000) == ([300, 700], [302, 704])
+
+
+def test_our_cache_file_made_for_other_flags_is_refused(corpus, tmp_path):
+    a, _ = corpus
+    config = DataConfig(seq_length=SEQ, seed=SEED, data_path=[a], split="90,8,2", cache_dir=str(tmp_path / "c"))
+    build_datasets(config, (50, 0, 0), eod_id=0)
+    (description,) = [p for p in (tmp_path / "c").iterdir() if p.suffix == ".json"]
+    description.write_text(description.read_text().replace('"seed": 7', '"seed": 8'))
+    with pytest.raises(CacheMismatch, match=r"\.json: this cached data index was made for other flags") as error:
+        build_datasets(config, (50, 0, 0), eod_id=0)
+    assert error.value.exit_status == 2
+    other = DataConfig(**{**config.__dict__, "data_order": "epoch-exact"})  # another order: another key
+    assert len(build_datasets(other, (50, 0, 0), eod_id=0)[0]) == 50
