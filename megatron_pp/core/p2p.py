@@ -35,6 +35,9 @@ class Transfer:
 
     buffer: torch.Tensor
     work: Optional[dist.Work]
+    on_wait: Optional[Callable[[dist.Work], None]] = None
+    """Told the work once it was waited for: NCCL may coalesce a batch into one work shared by its sends,
+    which are then complete too (`PipelineComm.note_waited`)."""
 
     def wait(self) -> tuple[torch.Tensor, float]:
         """Block until the data has arrived; return the buffer and the seconds spent blocked (0.0 when the
@@ -45,6 +48,8 @@ class Transfer:
         start = time.perf_counter()
         blocked = not self.work.is_completed()
         self.work.wait()
+        if self.on_wait is not None:
+            self.on_wait(self.work)
         self.work = None
         return self.buffer, time.perf_counter() - start if blocked else 0.0
 
@@ -94,7 +99,7 @@ class PipelineComm:
             if completes_at_once(self.group):
                 work.wait()  # the fake backend: done on posting; the explicit wait is what retires it
                 self.pending[-1].waited = True
-        return [Transfer(buf, work) for (buf, _), work in zip(recvs, works[len(sends):])]
+        return [Transfer(buf, work, self.note_waited) for (buf, _), work in zip(recvs, works[len(sends):])]
 
     def post_receive(self, buffer: torch.Tensor, peer: int) -> Transfer:
         """Post one receive from pipeline rank `peer` on its own, ahead of its batch. Only where batches
@@ -102,6 +107,12 @@ class PipelineComm:
         if self.batched:
             raise RuntimeError("post_receive: this backend needs every receive posted with its batch")
         return Transfer(buffer, dist.irecv(buffer, self.global_ranks[peer], group=self.group))
+
+    def note_waited(self, work: dist.Work) -> None:
+        """`work` was waited for explicitly: the sends it carries are done, whatever `is_completed()` says."""
+        for item in self.pending:
+            if item.work is work:
+                item.waited = True
 
     def poll(self) -> None:
         """Retire sends that have completed, oldest first, without blocking."""

@@ -155,3 +155,23 @@ def test_each_wait_slice_sits_inside_the_action_that_waited_once():
                     assert owner[1] <= start <= end <= owner[2] + 1e-6, (owner, (label, start, end))
             if rank == 1:
                 assert 1 <= waits <= 4  # at most one per received activation (4 per step)
+
+
+def test_a_send_is_retired_after_an_explicit_wait_of_its_work():
+    """A batch coalesced into one work (NCCL) is done once its receive was waited for, even where the work
+    never reports completion (the fake backend): the send's callback runs at the next poll, not at drain."""
+    class NeverCompletes:
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            return True
+
+    work, retired = NeverCompletes(), []
+    link = p2p.PipelineComm(None, [0, 1], batched=True)
+    link.pending.append(p2p.PendingSend(work, torch.zeros(2), lambda: retired.append(1)))
+    link.poll()
+    assert retired == []
+    p2p.Transfer(torch.zeros(2), work, link.note_waited).wait()
+    link.poll()
+    assert retired == [1] and not link.pending
