@@ -42,7 +42,7 @@ from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtu
 from megatron_pp.training.layered import connect_optimizer, schedule_recompute
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
 from megatron_pp.training.pipeline import build_pipeline
-from megatron_pp.training.step import train_step
+from megatron_pp.training.step import step_metrics, train_step
 from megatron_pp.training.step_data import build_config_and_data
 from megatron_pp.training.weight_versions import uses_weight_versions
 
@@ -245,9 +245,10 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: Me
     step_seconds = []
     for step[0] in range(1, steps + 1):
         began = time.process_time()
-        train_step(pipe, batches, optimizer)
+        result, tokens = train_step(pipe, batches, optimizer)
         tracker.where = f"step {step[0]}, optimizer"
         optimizer.step(args.lr)
+        step_metrics(pipe, result, tokens)  # the logged loss: the step's other read
         step_seconds.append(time.process_time() - began)
     model_params = list(unique_parameters(pipe.chunks))
     params = _bytes_of(model_params)

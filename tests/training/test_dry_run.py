@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from megatron_pp.core import parallel_state
 from megatron_pp.core.comm_check import CommDeviceError, CommEvent
+from megatron_pp.core.host_read import reads
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.training import dry_run
 from megatron_pp.training.arguments import parse_args
@@ -24,8 +25,10 @@ def test_dry_run_equals_the_real_run_to_the_byte():
     args = parse_args(TINY + ["--dry-run", "1"])
     fake = dry_run.run_rank(args, 0, torch.device("cpu"))
     tracker = dry_run.MemoryTracker()
+    reads.clear()
     with tracker:
         real = dry_run._run(args, ParallelState.build(1, 1, device=torch.device("cpu")), None, tracker, steps=2)
+    assert reads == {"found-inf": 2, "loss": 2}  # the step reads the device twice: overflow, and the logged loss
     for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "stash_peak_bytes"):
         assert getattr(fake, key) == getattr(real, key), key
     # The total peak also holds kernel temporaries, whose sizes a CPU kernel and its fake (meta) rule may
