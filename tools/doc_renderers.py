@@ -364,6 +364,59 @@ def vs_torch_memory_sentence(data: dict) -> str:
             f"{less('zb-h1', -1)} less")
 
 
+def _emulate_rows(reports: tuple) -> list[dict]:
+    return [row for report in reports for row in report["rows"]]
+
+
+def emulate_table(*reports: dict) -> str:
+    """tools/trace_vs_sim.py --emulate: per (schedule, p, m), for each cost set the measured step against the
+    simulated makespan (relative error) and the measured bubble against the simulated one, e.g. '0.698 / 0.660
+    (+5.8%)' and '0.300 / 0.273'; the model's share of busy time and the load average over the row."""
+    rows: dict = {}
+    for row in _emulate_rows(reports):
+        rows.setdefault((row["pp"], row["microbatches"], row["schedule"]), {})[row["costs"]] = row
+    out = []
+    for (pp, m, name), by_costs in rows.items():
+        cells = [name, str(pp), str(m)]
+        for kind in ("equal", "split"):
+            r = by_costs.get(kind)
+            cells += ["–", "–"] if r is None else [
+                f"{num(r['measured_step_s'], 3)} / {num(r['simulated_step_s'], 3)} ({pct(r['step_error'], 1, sign=True)})",
+                f"{num(r['measured_bubble'], 3)} / {num(r['simulated_bubble'], 3)}"]
+        share = [r["model_share"] for r in by_costs.values()]
+        load = [x for r in by_costs.values() for x in r["load_average"]]
+        cells += [pct(max(share), 0), f"{min(load):.0f}–{max(load):.0f}"]
+        out.append(cells)
+    return table(["schedule", "p", "m", "equal costs: step s, measured / simulated", "bubble, measured / simulated",
+                  "split costs: step s, measured / simulated", "bubble, measured / simulated", "model share",
+                  "load average"], out)
+
+
+def emulate_targets(*reports: dict) -> str:
+    """How many rows meet both targets, per p: 'p = 4: 10 of 48; p = 8: ...'."""
+    rows = _emulate_rows(reports)
+    sizes = sorted({r["pp"] for r in rows})
+    return "; ".join(f"p = {pp}: {sum(r['within_target'] for r in rows if r['pp'] == pp)} of "
+                     f"{sum(r['pp'] == pp for r in rows)}" for pp in sizes)
+
+
+def emulate_ratios_table(*reports: dict) -> str:
+    """The speed claims from the emulated runs: measured and simulated step-time ratios per (pair, p, m, costs),
+    and the papers' bubble formulas' ratio (equal costs only)."""
+    out = []
+    for report in reports:
+        for r in report["ratios"]:
+            if r["pp"] < 8:
+                continue
+            paper = r.get("papers_formula")
+            out.append([r["ratio"], str(r["pp"]), str(r["microbatches"]), r["costs"], num(r["measured"], 3),
+                        num(r["simulated"], 3), "–" if paper is None else num(paper, 3)])
+    return table(["ratio", "p", "m", "costs", "measured (emulated)", "simulated", "papers' bubble formulas (ours: "
+                  "step = m·(F+BI+BW) + bubble)"], out)
+
+
+EMULATED = ("docs/results/emulate_p4.json", "docs/results/emulate_p8.json", "docs/results/emulate_p16.json")
+
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
     "split-backward": ("docs/results/split_backward_cpu.json", split_backward_table),
@@ -401,4 +454,7 @@ RENDERERS: dict = {
     "bpipe-build-p48": ("docs/results/bpipe_build_p48.json", bpipe_build_table),
     "plot-schedule-scale": ("docs/results/plot_schedule_scale_linear_comm.json", plot_schedule_table),
     "bench-mfu-tiny": ("docs/results/bench_mfu_tiny_cpu.json", bench_mfu_output),
+    "emulate-grid": (EMULATED, emulate_table),
+    "emulate-targets": (EMULATED, emulate_targets),
+    "emulate-ratios": (EMULATED, emulate_ratios_table),
 }
