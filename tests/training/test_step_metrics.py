@@ -30,3 +30,4 @@ def test_cuda_layout_has_one_memory_peak_per_pipeline_rank(monkeypatch, pp_rank,
     assert math.isclose(metrics.loss, 2.0)
     assert metrics.peak_stash_bytes == [100 if r == pp_rank else 0 for r in range(pp)]
     assert metrics.peak_memory_bytes == [4096 if r == pp_rank else 0 for r in range(pp)]
+    assert metrics.tokens == 3.0  # the last slot, after the memory peaks (not a peak read as the count)
