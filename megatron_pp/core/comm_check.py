@@ -81,9 +81,14 @@ class CommWatch(TorchDispatchMode):
         self.events: list[CommEvent] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.observe(func, args)
+        return func(*args, **(kwargs or {}))
+
+    def observe(self, func, args: tuple) -> None:
+        """Check and record `func` if it is a c10d call (another dispatch mode may call this for every
+        operator it sees, saving a Python dispatch layer per operator: the dry run's memory tracker does)."""
         if func.namespace == "c10d":
             self._observe(func.__name__.split(".")[0], args)
-        return func(*args, **(kwargs or {}))
 
     def _observe(self, op: str, args: tuple) -> None:
         if op in _NO_PAYLOAD:
