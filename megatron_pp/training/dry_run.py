@@ -37,11 +37,10 @@ from megatron_pp.core.comm_check import CommEvent, CommWatch, fake_world
 from megatron_pp.core.grads import unique_parameters
 from megatron_pp.core.parallel_state import ParallelState, RankLayout
 from megatron_pp.core.storage import storage_key
-from megatron_pp.models.recompute import RecomputeConfig
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
-from megatron_pp.training.layered import connect_optimizer, schedule_recompute
+from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
-from megatron_pp.training.pipeline import build_pipeline
+from megatron_pp.training.pipeline import build_job_pipeline
 from megatron_pp.training.step import step_metrics, train_step
 from megatron_pp.training.step_data import build_config_and_data
 from megatron_pp.training.weight_versions import uses_weight_versions
@@ -226,18 +225,7 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: Me
     if uses_weight_versions(schedule):
         raise DryRunError(f"--dry-run: --pipeline-schedule {schedule.name} updates weights inside its action lists "
                           "(two weight versions); the dry run does not drive that loop yet")
-    recompute = schedule_recompute(schedule, RecomputeConfig(
-        args.recompute_granularity, args.recompute_method,
-        (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
-    ) if args.recompute_granularity else None)
-    pipe = build_pipeline(
-        config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
-        sequence_parallel=args.sequence_parallel, recompute=recompute,
-        first_stage_layers=args.decoder_first_pipeline_num_layers,
-        last_stage_layers=args.decoder_last_pipeline_num_layers,
-        account_for_embedding=args.account_for_embedding_in_pipeline_split,
-        account_for_loss=args.account_for_loss_in_pipeline_split,
-    )
+    pipe = build_job_pipeline(args, config, state, schedule)
     optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     connect_optimizer(pipe.executor, optimizer)
     to_job = (lambda t: mode.from_tensor(t).to(state.device)) if mode is not None else (lambda t: t.to(state.device))

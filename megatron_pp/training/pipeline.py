@@ -7,6 +7,7 @@ schedule places on this rank, builds those chunks, and gives the executor the st
 from __future__ import annotations
 
 from dataclasses import dataclass
+import argparse
 from typing import Optional
 
 from torch import nn
@@ -36,6 +37,8 @@ class Pipeline:
     executor: PipelineExecutor
     versions: Optional[WeightVersions] = None
     """2BW: the two weight versions the executor switches between (None for single-version schedules)."""
+    recompute: Optional[RecomputeConfig] = None
+    """What the chunks recompute: the `--recompute-*` flags, else the schedule's own memory mode."""
 
     @property
     def stage_ids(self) -> list[int]:
@@ -79,4 +82,23 @@ def build_pipeline(
     )
     if versions is not None:
         executor.store.exclude(versions.buffers[1])  # the second weight buffer is no activation either
-    return Pipeline(state, config, schedule, layout, chunks, executor, versions)
+    return Pipeline(state, config, schedule, layout, chunks, executor, versions, recompute)
+
+
+def build_job_pipeline(args: argparse.Namespace, config: TransformerConfig, state: ParallelState, schedule: Schedule,
+                       *, trace: bool = False) -> Pipeline:
+    """The pipeline a job's flags ask for (recomputation, layer split, sequence parallelism): the one function
+    `pretrain` and the dry run both call, so the dry run builds what the job builds."""
+    recompute = RecomputeConfig(
+        args.recompute_granularity, args.recompute_method,
+        (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
+    ) if args.recompute_granularity else None
+    return build_pipeline(
+        config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
+        sequence_parallel=args.sequence_parallel, recompute=schedule_recompute(schedule, recompute),
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding=args.account_for_embedding_in_pipeline_split,
+        account_for_loss=args.account_for_loss_in_pipeline_split,
+        trace=trace,
+    )

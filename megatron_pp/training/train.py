@@ -45,14 +45,14 @@ from megatron_pp.training.checkpointing import (
 from megatron_pp.training.errors import EXIT_FAILURE, agree_on_usage_errors, report_runtime_error
 from megatron_pp.training.faults import FaultPlan
 from megatron_pp.training.flops import iteration_flops, peak_tflops
-from megatron_pp.training.layered import connect_optimizer, schedule_recompute
+from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.megatron_compat import accepted_without_effect
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.offload_probe import OffloadProbe, measure_offload_time
 from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, build_optimizer
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.watchdog import Watchdog
-from megatron_pp.training.pipeline import Pipeline, build_pipeline
+from megatron_pp.training.pipeline import Pipeline, build_job_pipeline, build_pipeline
 from megatron_pp.training.step import global_token_count, step_metrics, train_step
 from megatron_pp.training.step_data import MockSplit, build_config_and_data
 from megatron_pp.training.trainer import REDACTED, Trainer, TrainingStopped, loggable_settings
@@ -124,19 +124,7 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     probe = probe_offload_time(args, shape, state)
     schedule = build_job_schedule(args, state.dp_size, chunks, offload_time=probe.offload_time if probe else None)
     config, data = build_config_and_data(args, state)
-    recompute = schedule_recompute(schedule, RecomputeConfig(
-        args.recompute_granularity, args.recompute_method,
-        (args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
-    ) if args.recompute_granularity else None)
-    pipe = build_pipeline(
-        config, state, schedule, micro_batch_size=args.micro_batch_size, seed=args.seed,
-        sequence_parallel=args.sequence_parallel, recompute=recompute,
-        first_stage_layers=args.decoder_first_pipeline_num_layers,
-        last_stage_layers=args.decoder_last_pipeline_num_layers,
-        account_for_embedding=args.account_for_embedding_in_pipeline_split,
-        account_for_loss=args.account_for_loss_in_pipeline_split,
-        trace=bool(args.trace_file),
-    )
+    pipe = build_job_pipeline(args, config, state, schedule, trace=bool(args.trace_file))
     if pipe.versions is not None:  # 2BW: one optimizer state, updates deferred into the action lists
         optimizer = DelayedUpdateOptimizer(pipe.chunks, state, OptimizerConfig.from_args(args), pipe.versions)
     else:
@@ -150,8 +138,8 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     logger: Optional[MetricsLogger] = None
     trainer = Trainer(args, pipe, data, optimizer, LRSchedule.from_args(args), checkpoint,
                       flops=iteration_flops(config, args.global_batch_size, tp=state.tp_size,
-                                            recompute_granularity=recompute.granularity,
-                                            recomputed_layers=_recomputed_layers(recompute, pipe)),
+                                            recompute_granularity=pipe.recompute.granularity,
+                                            recomputed_layers=_recomputed_layers(pipe.recompute, pipe)),
                       peak_tflops=peak_tflops(state.device, args.peak_tflops), logger=None,
                       faults=FaultPlan.from_env(state.rank, state.world_size), on_iteration=on_iteration)
     if pipe.versions is not None:  # lists with weight versions: steps overlap, the update is deferred
