@@ -41,7 +41,7 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     seen: dict = {}
     grads: list[dict] = []
     unchanged: list[list[str]] = []
-    build_pipeline, build_optimizer = train.build_pipeline, train.build_optimizer
+    build_pipeline, build_optimizer = train.build_job_pipeline, train.build_optimizer
 
     def named(pipe):
         return [(n, p) for chunk in pipe.chunks for n, p in chunk.named_parameters()]
@@ -79,13 +79,13 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
         unchanged.append(sorted(n for n, p in now.items() if torch.equal(p, seen["before"][n])))
         seen["before"] = now
 
-    train.build_pipeline, train.build_optimizer = capturing_pipeline, capturing_optimizer
+    train.build_job_pipeline, train.build_optimizer = capturing_pipeline, capturing_optimizer
     rows: list = []
     try:
         train.pretrain(args, state=state, on_iteration=lambda row: (after_iteration(row), rows.append(
             (row["loss"], row["grad_norm"], row["skipped"]))))
     finally:
-        train.build_pipeline, train.build_optimizer = build_pipeline, build_optimizer
+        train.build_job_pipeline, train.build_optimizer = build_pipeline, build_optimizer
     keep = state.tp_rank == 0 and state.dp_rank == 0
     offloads = sum(a.op.value == "OFFLOAD" for a in seen["pipe"].schedule.actions[state.pp_rank])
     return {"rows": rows, "unchanged": unchanged, "grads": grads if keep else [], "pp_rank": state.pp_rank,

@@ -123,7 +123,9 @@ def check_embedding_sum_plan(pipe, case) -> None:
     try:
         if ends_together or state.pp_size == 1:
             assert summed == [] and reducer.embedding_params == [], (state.rank, schedule_name)
-            if state.is_first_pp_rank:  # both ends here: one tensor, held by the first and the last chunk
+            if state.is_first_pp_rank and pipe.config.untie_embeddings_and_output_weights:
+                assert tied == [], schedule_name  # an untied model (LLaMA) shares nothing
+            elif state.is_first_pp_rank:  # both ends here: one tensor, held by the first and the last chunk
                 assert len(tied) == 1 and all(any(p is tied[0] for p in c.parameters()) for c in
                                               (pipe.chunks[0], pipe.chunks[-1])), schedule_name
         else:
