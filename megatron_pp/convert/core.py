@@ -282,7 +282,7 @@ _SHORT_TARGET_FLAGS = {"tensor-model-parallel-size": "tensor-parallel-size",
 def training_flags(config: TransformerConfig) -> list[str]:
     """Command-line flags of pretrain_*.py that build exactly this model (to train a converted checkpoint)."""
     skipped = {"params_dtype", "attention_backend", "hidden_dropout", "attention_dropout", "init_method_std",
-               "add_bias_linear", "untie_embeddings_and_output_weights"}
+               "add_bias_linear", "untie_embeddings_and_output_weights", "apply_layernorm_1p"}
     flags: list[str] = []
     for field in dataclasses.fields(TransformerConfig):
         value = getattr(config, field.name)
@@ -292,6 +292,8 @@ def training_flags(config: TransformerConfig) -> list[str]:
         flags.append("--disable-bias-linear")
     if config.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    if config.apply_layernorm_1p:  # an on/off flag: it takes no value
+        flags.append("--apply-layernorm-1p")
     return flags
 
 

@@ -781,6 +781,10 @@ def test_training_flags_rebuild_the_config():
     config = TransformerConfig(**{**get_preset("llama-tiny").__dict__, "kv_channels": 16, "rotary_base": 5e5})
     args = build_parser().parse_args(training_flags(config) + ["--mock-data"])
     assert model_config_from_args(args) == config
+    # Megatron-LM's settings that are on/off flags or fractions here too (a converted 1p model's printed flags).
+    megatron_style = dataclasses.replace(config, apply_layernorm_1p=True, rotary_percent=0.5)
+    args = build_parser().parse_args(training_flags(megatron_style) + ["--mock-data"])
+    assert model_config_from_args(args) == megatron_style
 
 
 # Fine-tuning a converted model ----------------------------------------------------------------------------
