@@ -248,7 +248,7 @@ def trends_of(paper: str, keep=lambda trend: True):
         return table(["Small-scale trend", "Setting", "Measured (executor, CPU)", "Predicted (simulator)", "Error"],
                      [[t["trend"], t["setting"], t["measured"], t["predicted"], error_text(t["error"])]
                       for t in report["trends"] if keep(t["trend"])])
-    render.__doc__ = f"The small-scale trend rows of {paper} in docs/results/reproduce_quick.json."
+    render.__doc__ = f"The small-scale trend rows of {paper} in the `tools/reproduce.py` JSON it is registered with."
     return render
 
 def farthest_stash_trend(data: dict) -> str:
@@ -417,6 +417,11 @@ def emulate_ratios_table(*reports: dict) -> str:
 
 EMULATED = ("docs/results/emulate_p4.json", "docs/results/emulate_p8.json", "docs/results/emulate_p16.json")
 
+# docs/bpipe.md's estimator tables and the BPipe figures of docs/reproduction.md (they use the helpers above).
+import doc_renderers_bpipe as bp  # noqa: E402
+
+ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
+
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
     "split-backward": ("docs/results/split_backward_cpu.json", split_backward_table),
@@ -433,7 +438,8 @@ RENDERERS: dict = {
     "trace-vs-sim-loaded-iters11": (TRACES[1], trace_vs_sim_table),
     "trace-vs-sim-quiet": (TRACES[2:], trace_vs_sim_pair_table),
     "trace-clock-bound": (TRACES, trace_clock_bound),
-    # BPipe's trend rows (bpipe, bpipe-reeval) are re-measured with the acceptor change; add them with it.
+    "trends-bpipe": ("docs/results/reproduce_bpipe.json", trends_of("bpipe")),
+    "trends-bpipe-reeval": ("docs/results/reproduce_quick.json", trends_of("bpipe-reeval")),
     "trends-pipeoffload": ("docs/results/reproduce_quick.json", trends_of("pipeoffload")),
     "trends-2bw": ("docs/results/reproduce_quick.json", trends_of("2bw")),
     "trends-breadth-first": ("docs/results/reproduce_quick.json",
@@ -457,4 +463,18 @@ RENDERERS: dict = {
     "emulate-grid": (EMULATED, emulate_table),
     "emulate-targets": (EMULATED, emulate_targets),
     "emulate-ratios": (EMULATED, emulate_ratios_table),
+    "bpipe-estimate-48gpu": (bp.VARIANTS_48, bp.estimate_48gpu_table),
+    "bpipe-estimate-one-node": (tuple(bp.ONE_NODE), bp.estimate_one_node_table),
+    "bpipe-estimate-reserve": (bp.RESERVE, bp.reserve_table),
+    "bpipe-recompute-cost": ((ESTIMATE("96b_modern_pairs_node"), ESTIMATE("96b_flash_modern_pairs_node")),
+                             bp.recompute_cost_sentence),
+    "bpipe-transfer-wait": (ESTIMATE("96b_classic_pairs_ib"), bp.transfer_wait_sentence),
+    "bpipe-134b-no-fit": (ESTIMATE("134b_classic_pairs_ib"), bp.no_fit_sentence),
+    "bpipe-96b-modern-4-12-1": (ESTIMATE("96b_modern_pairs_node"), bp.layout_speedup),
+    "bpipe-worst-rank": ("docs/results/reproduce_bpipe.json", bp.worst_rank_sentence),
+    "bpipe-variant-steps": ("docs/results/reproduce_bpipe.json", bp.variant_step_sentence),
+    "bpipe-k2-before": ("docs/results/reproduce_quick.json",
+                        bp.trend_row_sentence("BPipe: peak stash per rank, bpipe K=2")),
+    "bpipe-k2-worst-before": ("docs/results/reproduce_quick.json",
+                              bp.trend_row_sentence("BPipe: worst-rank stash, BPipe (K=2) / 1F1B")),
 }
