@@ -419,6 +419,7 @@ EMULATED = ("docs/results/emulate_p4.json", "docs/results/emulate_p8.json", "doc
 
 # docs/bpipe.md's estimator tables and the BPipe figures of docs/reproduction.md (they use the helpers above).
 import doc_renderers_bpipe as bp  # noqa: E402
+import doc_renderers_glance as glance  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
 
@@ -463,6 +464,11 @@ RENDERERS: dict = {
     "emulate-grid": (EMULATED, emulate_table),
     "emulate-targets": (EMULATED, emulate_targets),
     "emulate-ratios": (EMULATED, emulate_ratios_table),
+    "reproduction-glance": ("docs/results/reproduce_full.json", glance.glance_table),
+    "pipeoffload-bytes-error": ("docs/results/reproduce_full.json",
+                                glance.glance_figure("pipeoffload", "absolute activation bytes (1F1B-I, GIS, GIS-H, 1F1B):")),
+    "pipeoffload-mfu-error": ("docs/results/reproduce_full.json", glance.glance_figure("pipeoffload", "MFU (uncalibrated):")),
+    "pipeoffload-pp-over-tp8": ("docs/results/reproduce_full.json", glance.glance_figure("pipeoffload", "PP over TP8:")),
     "bpipe-estimate-48gpu": (bp.VARIANTS_48, bp.estimate_48gpu_table),
     "bpipe-estimate-one-node": (tuple(bp.ONE_NODE), bp.estimate_one_node_table),
     "bpipe-estimate-reserve": (bp.RESERVE, bp.reserve_table),
