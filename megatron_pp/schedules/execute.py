@@ -5,8 +5,9 @@ it walks the validated list in order and dispatches each action to a handler. Co
 actions form one batch, posted together where the backend needs it (NCCL; see `megatron_pp.core.p2p`).
 Point-to-point is asynchronous: a send never blocks the compute after it (it completes in the background
 and its activation is freed once it has), a received tensor is waited for only by the action that
-consumes it, and where batches are not needed (gloo) the next receive of each incoming link is posted
-ahead, so its data arrives while the rank computes. Later schedules add operations by
+consumes it, and where batches are not needed (gloo) the next receives of each incoming link are posted
+ahead (as many as keep every receive posted before its send, `simulate.receives_ahead`), so their data
+arrives while the rank computes. Later schedules add operations by
 adding handlers (`PipelineExecutor.handlers`), never by changing the loop.
 
 Per (microbatch, local chunk) the executor keeps the chunk's input (a leaf requiring grad, so its
@@ -61,6 +62,7 @@ from megatron_pp.core.tensor_parallel.layers import WeightGradStore, deferring_w
 from megatron_pp.schedules.ir import Action, Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore
 from megatron_pp.schedules.peer_store import prepare_store
+from megatron_pp.schedules.simulate import receives_ahead
 from megatron_pp.schedules.store import ActivationStore
 
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
@@ -70,25 +72,28 @@ FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})
 
 @dataclass(frozen=True)
 class ReceivePlan:
-    """Which receives of an action list are posted ahead (gloo): `first`, the first receive of every
-    incoming link, posted when a run starts; `after[i]`, the next receive on the link of receive i, posted
-    once receive i has been. Indices are positions in the list."""
+    """Which receives of an action list are posted ahead (gloo), K per incoming link (`ahead[peer]`, 1 where
+    absent; `simulate.receives_ahead` derives it from the whole schedule): `first`, the first K receives of
+    every incoming link, posted when a run starts; `after[i]`, the receive K places after receive i on its
+    link, posted once receive i has been. Indices are positions in the list."""
 
     first: tuple[int, ...]
     after: Mapping[int, int]
 
     @classmethod
-    def of(cls, actions: Sequence[Action]) -> "ReceivePlan":
+    def of(cls, actions: Sequence[Action], ahead: Mapping[int, int] | None = None) -> "ReceivePlan":
         first: list[int] = []
         after: dict[int, int] = {}
-        last: dict[int, int] = {}
+        seen: dict[int, list[int]] = {}
         for index, a in enumerate(actions):
             if a.op is Op.RECV_F or a.op is Op.RECV_B:
-                if a.peer in last:
-                    after[last[a.peer]] = index
-                else:
+                earlier = seen.setdefault(a.peer, [])
+                k = max(1, (ahead or {}).get(a.peer, 1))
+                if len(earlier) < k:
                     first.append(index)
-                last[a.peer] = index
+                else:
+                    after[earlier[-k]] = index
+                earlier.append(index)
         return cls(tuple(first), after)
 
 
@@ -202,6 +207,10 @@ class PipelineExecutor:
         # its forward-only view, 2BW's per-call segments) are kept most recent first, a bounded number.
         self._plans: dict[int, tuple[Sequence[Action], ReceivePlan]] = {}
         self._forward_views: dict[int, tuple[Sequence[Action], list[Action]]] = {}
+        # Receives kept posted ahead per incoming link (gloo): enough that none is posted after its send on
+        # the simulated timeline (`simulate.receives_ahead`, from the whole schedule, once).
+        self.receives_ahead: dict[int, int] = (receives_ahead(schedule)[pp_rank]
+                                               if comm is not None and not comm.batched else {})
         self._receive_plan(self.actions)
 
     _PLANS_KEPT = 8
@@ -446,7 +455,7 @@ class PipelineExecutor:
         return entry[1]
 
     def _receive_plan(self, actions: Sequence[Action]) -> ReceivePlan:
-        return self._remember(self._plans, actions, ReceivePlan.of)
+        return self._remember(self._plans, actions, lambda acts: ReceivePlan.of(acts, self.receives_ahead))
 
     def _forward_view(self, actions: Sequence[Action]) -> list[Action]:
         """What a forward-only run of `actions` keeps (derived once per list)."""
@@ -454,12 +463,12 @@ class PipelineExecutor:
                               lambda acts: [a for a in acts if a.op in FORWARD_OPS])
 
     def _post_first_receives(self, actions: Sequence[Action]) -> None:
-        """Where batches are not needed (gloo), keep the next receive of every incoming link posted ahead:
-        its data then flows while this rank computes, instead of after its consumer is reached. Receives
-        on a link match in posting order, so the next one is posted only after the one before it (at the
-        start for the first, right after its predecessor is posted for the others); it holds one
-        activation-sized buffer per incoming link early. On NCCL every receive is posted with its batch,
-        in the validated order."""
+        """Where batches are not needed (gloo), keep the next K receives of every incoming link posted ahead
+        (`receives_ahead`): their data then flows while this rank computes, instead of after the list
+        reaches them. Receives on a link match in posting order, so receive j is posted only after the ones
+        before it (at the start for the first K, right after receive j - K is posted for the others); each
+        holds one activation-sized buffer from its posting, so at most K per incoming link are held early.
+        On NCCL every receive is posted with its batch, in the validated order."""
         self._posted_ahead: set[int] = set()
         if self.comm is None or self.comm.batched:
             self._next_receive: Mapping[int, int] = {}

@@ -4,7 +4,7 @@ Each rank runs its list in order on one compute stream. Sends are asynchronous: 
 time and its data reaches the peer `p2p_latency` after it is posted, whenever the peer posts the receive.
 Receives cost no compute time either; the compute that consumes a received tensor waits for that
 receive's data and nothing else. That is what the executor does where each point-to-point operation is
-its own work (gloo: sends are completed in the background, the next receive on each link is posted ahead
+its own work (gloo: sends are completed in the background, enough receives of each link are posted ahead
 so its data can flow during compute, and a receive is waited for by its consumer only; see
 `schedules.execute`). On NCCL a batch is one coalesced work, so a consumer there also waits for the other
 members of its batch; the simulator does not model that (docs/schedules.md, "Cost model"). Durations come from a `CostModel`: F=1, B=2, BI=1, BW=1 per
@@ -444,3 +444,43 @@ def _run_transfer(schedule: Schedule, rank: int, index: int, action: Action, cos
     if partner is not None:
         hosted, posted, _ = partner.timeline[partner_index]
         partner.timeline[partner_index] = (hosted, posted, end)
+
+
+POSTING_PROBES = (CostModel(), CostModel(backward_input=1.5, backward_weight=0.5),
+                  CostModel(backward_input=0.5, backward_weight=1.5),
+                  CostModel(backward=3.0, backward_input=1.5, backward_weight=1.5),
+                  CostModel(backward=1.5, backward_input=0.75, backward_weight=0.75))
+"""Cost ratios `receives_ahead` times a list under (ours): equal costs, BI or BW three times the other, and a
+backward 1.5 or 3 times the forward (the measured split here, BI 1.14 : BW 0.95, lies inside)."""
+
+
+def receives_ahead(schedule: Schedule, probes: Sequence[CostModel] = POSTING_PROBES) -> list[dict[int, int]]:
+    """Per rank and incoming link (keyed by the sending peer): how many receives the executor keeps posted
+    ahead on that link, K, so that none is posted after its send on the simulated timeline under any of
+    `probes`. With K ahead, receive j of a link is posted when the rank reaches receive j - K of that link
+    (the first K when the step starts); K is the least such that, for every j, the rank reaches receive
+    j - K strictly before the sender reaches send j (a tie is a race in a real run). At least 1; at most
+    the link's message count (every receive posted at the start). Each holds one activation-sized buffer
+    from its posting until its consumer, so K is also the number of early buffers per link.
+
+    Worked: 1F1B at any p and m needs 1 (a rank reaches RECV_F j+1 only after F j, which waits for F j on
+    the previous rank, before that rank's send j+1); looped BFS needs p at v = 2 (a rank receives a whole
+    round of m forwards from its predecessor before it reaches the next receive of the round)."""
+    need: list[dict[int, int]] = [dict() for _ in range(schedule.num_ranks)]
+    for costs in probes:
+        sends: dict[tuple[int, int], list[float]] = {}
+        reach: dict[tuple[int, int], list[float]] = {}
+        for rank, timeline in enumerate(simulate(schedule, costs).timeline):
+            for action, start, _ in timeline:
+                if action.op in (Op.SEND_F, Op.SEND_B):
+                    sends.setdefault((rank, action.peer), []).append(start)
+                elif action.op in (Op.RECV_F, Op.RECV_B):
+                    reach.setdefault((action.peer, rank), []).append(start)
+        for (peer, rank), reached in reach.items():
+            k, i = need[rank].get(peer, 1), -1  # i: the last receive reached strictly before send j
+            for j, sent in enumerate(sends[peer, rank]):
+                while i + 1 <= j and reached[i + 1] < sent:
+                    i += 1
+                k = max(k, j - i)
+            need[rank][peer] = k
+    return need

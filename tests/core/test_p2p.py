@@ -77,14 +77,16 @@ def _posted_receives(ctx):
     acts = schedule.actions[state.pp_rank]
     batch_of = {i: start for start, end in batches(acts) for i in range(start, end)}
     receives = [i for i, a in enumerate(acts) if a.op.value.startswith("RECV")]  # one peer at p = 2
-    # A receive whose predecessor on the link sits in the same batch is posted with that batch.
-    with_predecessor = [i for prev, i in zip(receives, receives[1:]) if batch_of[prev] == batch_of[i]]
+    # K receives are kept posted ahead on the link (`receives_ahead`): a receive whose K-th predecessor on
+    # the link sits in the same batch is posted with that batch.
+    k = pipe.executor.receives_ahead.get(1 - state.pp_rank, 1)
+    with_predecessor = [i for prev, i in zip(receives, receives[k:]) if batch_of[prev] == batch_of[i]]
     return p2p.needs_batches(state.pp_group), ahead, len(in_batches), receives, with_predecessor
 
 
 def test_gloo_receives_are_posted_ahead_in_link_order():
     # gloo needs no batches: every other receive of the list is posted ahead of its batch, right after
-    # its predecessor on the link, so the order of receives on the link (what matches them to sends) is
+    # its K-th predecessor on the link (the first K at the start), so the order of receives on the link (what matches them to sends) is
     # the list's.
     for needs, ahead, in_batches, receives, with_predecessor in run_distributed(2, _posted_receives):
         assert not needs
