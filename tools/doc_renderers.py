@@ -420,6 +420,7 @@ EMULATED = ("docs/results/emulate_p4.json", "docs/results/emulate_p8.json", "doc
 # docs/bpipe.md's estimator tables and the BPipe figures of docs/reproduction.md (they use the helpers above).
 import doc_renderers_bpipe as bp  # noqa: E402
 import doc_renderers_glance as glance  # noqa: E402
+import doc_renderers_bench as bench  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
 
@@ -464,6 +465,13 @@ RENDERERS: dict = {
     "emulate-grid": (EMULATED, emulate_table),
     "emulate-targets": (EMULATED, emulate_targets),
     "emulate-ratios": (EMULATED, emulate_ratios_table),
+    "schedule-build-growth": ("docs/results/schedule_build_constant_factors.json", bench.build_growth_sentence),
+    "schedule-build-actions": ("docs/results/schedule_build_constant_factors.json", bench.build_actions),
+    "plot-schedule-size": ("docs/results/plot_schedule_scale_linear_comm.json", bench.plot_size_sentence),
+    "plot-schedule-wall": ("docs/results/plot_schedule_scale_linear_comm.json", bench.plot_wall_sentence),
+    "bench-mfu-spread": ("docs/results/bench_mfu_tiny_cpu.json", bench.mfu_spread),
+    "vs-torch-cpu-same": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("1f1b", "interleaved-1f1b")),
+    "vs-torch-cpu-zb": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("zb-h1", "zb-v")),
     "reproduction-glance": ("docs/results/reproduce_full.json", glance.glance_table),
     "pipeoffload-bytes-error": ("docs/results/reproduce_full.json",
                                 glance.glance_figure("pipeoffload", "absolute activation bytes (1F1B-I, GIS, GIS-H, 1F1B):")),
