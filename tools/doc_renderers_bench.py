@@ -1,4 +1,4 @@
-"""Figures that docs/benchmarks.md quotes in its prose from a benchmark's JSON (tools/doc_renderers.py
+"""Figures that docs/benchmarks.md, docs/layered.md and docs/gpu.md quote in their prose from a benchmark's JSON (tools/doc_renderers.py
 registers them; the helpers there format). Each takes the parsed JSON and returns the words between the
 markers; a ratio is at most the ratio of two recorded numbers.
 """
@@ -47,3 +47,42 @@ def vs_torch_cpu_sentence(*names: str):
         return ", ".join(f"`{n}` {num(data['pairs'][n]['cpu_ratio_ours_over_torch']['median'], 3)}" for n in names)
     render.__doc__ = f"The CPU ratios of {', '.join(names)} in docs/results/vs_torch_cpu.json."
     return render
+
+
+def _traffic_mib(entry: dict) -> float:
+    totals = entry["totals"]
+    return sum(v[1] for v in totals.values()) / 2**20
+
+
+def layered_traffic_sentence(data: dict) -> str:
+    """benchmarks/bench_layered.py traffic: rank 0's total data-parallel MiB per step of layered (one group)
+    and of depth-first ZeRO-3 per m, as in its table: 'Layered with one group: 2.57 MiB per step at every m.
+    Depth-first ZeRO-3: 2.57, 6.24, 12.52, 25.07 MiB for m = 2, 4, 8, 16'."""
+    rows = data["rows"]
+    layered = {m: num(_traffic_mib(e)) for m, e in rows["layered ZeRO-3 (looped-bfs, B = m)"].items()}
+    depth = rows["depth-first ZeRO-3 (interleaved 1F1B)"]
+    each = (f"{next(iter(layered.values()))} MiB per step at every m" if len(set(layered.values())) == 1
+            else ", ".join(f"{v} MiB at m = {m}" for m, v in layered.items()))
+    return (f"Layered with one group: {each}. Depth-first ZeRO-3: "
+            f"{', '.join(num(_traffic_mib(e)) for e in depth.values())} MiB for m = {', '.join(depth)}")
+
+
+def layered_weights_sentence(data: dict) -> str:
+    """The most weights the ZeRO-3 variants hold gathered at once on rank 0, as in the table: '0.54 MiB of the
+    rank's 0.92 MiB of weights'."""
+    entries = [e for setup, by_m in data["rows"].items() if "ZeRO-3" in setup for e in by_m.values()]
+    peak = max(entries, key=lambda e: e["peak_weight_bytes"] / e["model_bytes"])
+    return (f"{num(peak['peak_weight_bytes'] / 2**20)} MiB of the rank's {num(peak['model_bytes'] / 2**20)} MiB "
+            f"of weights")
+
+
+def acceptor_pairs_sentence(data: dict) -> str:
+    """The paired BPipe acceptor runs (benchmarks/bench_schedules.py on two trees): the median change of the
+    bpipe / 1F1B step ratio with its range, and the stash peaks of the acceptor before and after and of
+    rank 0 (MB = 10^6 bytes; the peaks are the same in every pair)."""
+    lo, hi = data["bpipe_over_1f1b_after_over_before_min_max"]
+    first = data["pairs"][0]
+    before, after = first["before_bpipe_peak_stash_bytes_per_rank"], first["after_bpipe_peak_stash_bytes_per_rank"]
+    return (f"a median factor of {num(data['bpipe_over_1f1b_after_over_before_median'])} ({num(lo)}–{num(hi)} over "
+            f"the pairs); rank {len(after) - 1}, the acceptor, peaked at {num(after[-1] / 1e6)} MB of stashes "
+            f"against the thread's {num(before[-1] / 1e6)} MB, rank 0 at {num(after[0] / 1e6)} MB")
