@@ -19,8 +19,9 @@ edited by hand, or whose JSON was re-measured without `--write`, fails by name. 
 the one the registry names (a page always says where its number comes from), every renderer must be used
 by some page, and a marker with no renderer fails too.
 
-Adding a table: write one function in tools/doc_renderers.py that takes the parsed JSON and returns the
-markdown, add one line to its RENDERERS (name -> (JSON path under docs/results/, function); a table drawn
+Adding a table: write one function in tools/doc_renderers.py (or in one of the doc_renderers_*.py modules
+it imports, one per page family: BPipe estimates, reproduction at a glance, benchmark prose) that takes the
+parsed JSON and returns the markdown, add one line to its RENDERERS (name -> (JSON path under docs/results/, function); a table drawn
 from several files names a tuple of paths, its function takes one parsed JSON per path, and its marker lists
 them joined by ', '), put the two markers in the page around the
 old table, and run `--write`; `git diff` then shows whether the old table said what its JSON says. For
@@ -106,7 +107,7 @@ def render_page(text: str, page: str, root: str = ROOT, used: set | None = None
         try:
             if name not in cache:
                 cache[name] = render(name, root)
-        except (OSError, KeyError, TypeError, ValueError, IndexError) as exc:
+        except (OSError, ImportError, KeyError, TypeError, ValueError, IndexError) as exc:
             problems.append(f"{where}: cannot render from {source}: {type(exc).__name__}: {exc}")
             return match[0]
         block = body.startswith("\n")
