@@ -19,8 +19,11 @@ launch, the torchrun agent under torchrun):
   first verdict wins) and exits.
 - Every watchdog also reads the `failed` key each interval; when it is set, it prints one line
   naming that rank and ends its process with status 1 (`os._exit`: the main thread may be blocked
-  inside a collective that will never return). A store that stops answering for `timeout` seconds
-  means the rank hosting it (rank 0 of a plain launch) or the launcher is gone; that is reported too.
+  inside a collective that will never return). A store that stops answering means its host is gone:
+  rank 0 of a plain launch (srun, a script), the torchrun agent otherwise. A refused connection says so at
+  once (nothing listens on the store's port any more: its process has ended), so the survivors name rank 0
+  within an interval, not after a raw store error; a store that merely stops answering (its whole node
+  lost, no refusal comes) is reported after `timeout` seconds. Either way the line names the host's role.
 - A rank that finishes normally marks `done/<rank>` before it stops beating, so its watcher
   does not mistake the end of the job for a death.
 
@@ -36,6 +39,7 @@ stop at once, without a line of their own: the job says what went wrong once.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -57,7 +61,8 @@ class Watchdog:
     `stop()` once the rank is done, before the final barrier."""
 
     def __init__(self, store: "comm.Store", rank: int, world_size: int, timeout_s: float,
-                 store_address: str = "the rendezvous store") -> None:
+                 store_address: str = "the rendezvous store", store_host: Optional[tuple[str, int]] = None,
+                 agent_store: Optional[bool] = None) -> None:
         if world_size < 2:
             raise ValueError("a watchdog needs at least two ranks")
         self.store = store
@@ -67,6 +72,10 @@ class Watchdog:
         self.interval_s = min(max(timeout_s / 4.0, 0.1), 5.0)
         self.peer = (rank + 1) % world_size
         self.store_address = store_address
+        self.store_host = store_host  # (host, port) to probe when the store fails; None: never probe
+        # Who hosts the store: the torchrun agent (its workers use the agent's store) or rank 0.
+        self.agent_store = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" if agent_store is None
+                            else agent_store)
         self.prefix = key_prefix()
         self._stop = threading.Event()
         self._reporting = threading.Lock()  # one line per process, whichever thread sees the failure first
@@ -76,7 +85,8 @@ class Watchdog:
     def connect(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> "Watchdog":
         """A watchdog talking to the rendezvous TCPStore at host:port as one more client."""
         store = comm.connect_store(host, port, max(timeout_s, 1.0))
-        return cls(store, rank, world_size, timeout_s, store_address=f"the rendezvous store at {host}:{port}")
+        return cls(store, rank, world_size, timeout_s, store_address=f"the rendezvous store at {host}:{port}",
+                   store_host=(host, port))
 
     def _key(self, name: str, rank: Optional[int] = None) -> str:
         return f"{self.prefix}{name}" if rank is None else f"{self.prefix}{name}/{rank}"
@@ -124,8 +134,7 @@ class Watchdog:
                 store_ok = time.monotonic()
             except Exception:
                 failed = None
-                if time.monotonic() - store_ok > self.timeout_s:
-                    self._report(f"{self.store_address} stopped answering: rank 0 or the launcher hosting it is gone")
+                self._store_failed(time.monotonic() - store_ok)
             if failed is not None:
                 self._die(failed)
             time.sleep(self.interval_s / 2)
@@ -150,14 +159,34 @@ class Watchdog:
             except Exception:
                 if self._stop.is_set():
                     return
-                if now - store_ok > self.timeout_s:
-                    self._report(f"{self.store_address} stopped answering for {self.timeout_s:g} s: rank 0 or the "
-                                 f"launcher hosting it is gone")
+                self._store_failed(now - store_ok)
                 continue
             if value != last_value:
                 last_value, last_change = value, now
             elif now - last_change > self.timeout_s:
                 self._blame(self.peer)
+
+    def _store_failed(self, silent_s: float) -> None:
+        """A store call failed, `silent_s` after the last one that worked: report its host gone when nothing
+        listens on its port any more (the connection is refused), or when it has not answered for `timeout`."""
+        refused = self._store_refuses()
+        if not refused and silent_s <= self.timeout_s:
+            return
+        host = "the torchrun agent" if self.agent_store else "rank 0"
+        how = "refuses connections" if refused else f"stopped answering for {self.timeout_s:g} s"
+        self._report(f"{host} is gone: {self.store_address}, which it hosted, {how}")
+
+    def _store_refuses(self) -> bool:
+        """True when a fresh connection to the store's port is refused: no process listens there now."""
+        if self.store_host is None:
+            return False
+        try:
+            with socket.create_connection(self.store_host, timeout=min(self.interval_s, 1.0)):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # a time-out or an unreachable host: no answer either way, wait for the timeout
+            return False
 
     def _read_failed(self) -> Optional[int]:
         if not self.store.check([self._key("failed")]):

@@ -4,10 +4,11 @@ met it (or from rank 0 when every rank meets it), and the exit status of docs/re
 
 Each failure is planted on rank 0 and on rank 1 of a 2-rank pipeline, under a plain launch (separate
 processes, as `srun` starts them: each rank's own status shows) and under torchrun (its agent stops the
-others once one exits). A node-local file is simulated by giving each rank its own working directory
+others once one exits; for a dead worker the agent's summary is the report, naming it as the root cause). A node-local file is simulated by giving each rank its own working directory
 (`node0/`, `node1/`) and a relative `--data-path`: a wrapper script changes to `node<RANK>/` before it
-runs `pretrain_gpt.py`, so it works under any launcher. The same under a real `srun`:
-tests/launch/test_slurm.py::test_a_corrupt_index_on_one_rank_is_one_line_from_that_rank.
+runs `pretrain_gpt.py`, so it works under any launcher. The same four failures under a real `srun`:
+tests/launch/test_slurm.py::test_a_corrupt_index_on_one_rank_is_one_line_from_that_rank and
+::test_a_runtime_failure_on_one_rank_under_srun.
 """
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ def _worker_statuses(agent_stderr: str) -> list[int]:
     return [int(code) for code in re.findall(r"^\s*exitcode\s+:\s*(-?\d+)", agent_stderr, re.M)]
 
 
+def _worker_traceback(agent_stderr: str):
+    """A frame of this project's code in a traceback (the agent's own ends in torch's files), or None."""
+    return re.search(r'File ".*/megatron_pp/.*", line \d+', agent_stderr)
+
+
 def _one_line_from(errs: list[str], rank: int, needle: str) -> str:
     """The job printed exactly one `error:` line, on `rank`'s stderr, naming `needle`; nothing else there."""
     lines = [(r, line) for r in range(2) for line in _error_lines(errs[r])]
@@ -128,12 +134,56 @@ def test_a_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path, bad_rank):
 @pytest.mark.parametrize("dead_rank", [0, 1])
 def test_a_dead_rank_is_named_once_by_the_survivor(tmp_path, dead_rank):
     """The survivor names the dead rank in one line and exits 1. Rank 0 of a plain launch hosts the job's
-    store, so its death takes the store too: the survivor says that (docs/reliability.md, Limits; torch's
-    store client adds its own warning lines, which are not `error:` lines)."""
+    store, so its death takes the store too: the survivor finds the store's port refusing connections and
+    says that rank 0 is gone (torch's store client adds a warning of its own for the call that failed,
+    which is not an `error:` line)."""
     argv = TINY + ["--mock-data", "--train-iters", "1000"]
     codes, errs = _plain(tmp_path, argv, env={ENV_VAR: f"kill_in_step@3:{dead_rank}"})
     survivor = 1 - dead_rank
     assert codes[dead_rank] == -signal.SIGKILL and codes[survivor] == 1, (codes, errs)
-    needle = "rank 1 failed or stopped responding" if dead_rank == 1 else "rank 0 or the launcher hosting it is gone"
+    needle = "rank 1 failed or stopped responding" if dead_rank == 1 else "rank 0 is gone: the rendezvous store at"
     lines = [(r, line) for r in range(2) for line in _error_lines(errs[r])]
     assert len(lines) == 1 and lines[0][0] == survivor and needle in lines[0][1], errs
+
+
+# Under torchrun: the agent hosts the store and stops the other workers once one has exited, so what shows is
+# the `error:` lines of the whole output and the agent's summary of each worker's status.
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_full_disk_on_one_rank_under_torchrun(tmp_path, bad_rank):
+    argv = TINY + ["--mock-data", "--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "1"]
+    proc = _torchrun(tmp_path, argv, env={ENV_VAR: f"enospc_save@1:{bad_rank}"})
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: rank {bad_rank}: saving checkpoint "), proc.stderr
+    # (the agent's own traceback, ChildFailedError, is torchrun's way to end; no worker shows one)
+    assert "No space left on device" in lines[0] and _worker_traceback(proc.stderr) is None, proc.stderr
+    statuses = _worker_statuses(proc.stderr)
+    assert proc.returncode == 1 and 1 in statuses and set(statuses) <= {1, -15}, proc.stderr
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_nan_on_one_rank_under_torchrun(tmp_path, bad_rank):
+    argv = TINY + ["--mock-data", "--train-iters", "4", "--max-consecutive-nonfinite", "1"]
+    proc = _torchrun(tmp_path, argv, env={ENV_VAR: f"nan_grad@2:{bad_rank}"})
+    lines = _error_lines(proc.stderr)
+    assert lines == [lines[0]] and lines[0].startswith("error: iteration 2: loss or gradients not finite for 1 "
+                                                       "consecutive step"), proc.stderr
+    assert _worker_traceback(proc.stderr) is None, proc.stderr
+    statuses = _worker_statuses(proc.stderr)
+    assert proc.returncode == 1 and 1 in statuses and set(statuses) <= {1, -15}, proc.stderr
+
+
+@pytest.mark.parametrize("dead_rank", [0, 1])
+def test_a_dead_rank_under_torchrun(tmp_path, dead_rank):
+    argv = TINY + ["--mock-data", "--train-iters", "1000"]
+    """The agent sees the worker die, stops the other and names the dead one as the job's root cause, with
+    its signal; the survivor, stopped within a moment of the death, says nothing (had it stayed long enough
+    to see its watchdog's verdict, its one line would name the same rank)."""
+    argv = TINY + ["--mock-data", "--train-iters", "1000"]
+    proc = _torchrun(tmp_path, argv, env={ENV_VAR: f"kill_in_step@3:{dead_rank}"})
+    root = proc.stderr.split("Root Cause (first observed failure):", 1)[-1]
+    assert re.search(rf"^\s*rank\s+:\s*{dead_rank} \(local_rank", root, re.M), proc.stderr
+    assert re.search(r"^\s*exitcode\s+:\s*-9 ", root, re.M), proc.stderr  # SIGKILL
+    lines = _error_lines(proc.stderr)
+    assert len(lines) <= 1 and all(f"rank {dead_rank} failed" in line for line in lines), proc.stderr
+    assert proc.returncode == 1 and sorted(_worker_statuses(proc.stderr)) in ([-15, -9], [-9, 1]), proc.stderr
