@@ -7,18 +7,23 @@ the first stage, one tensor-parallel linear layer of width 8 over 4 tokens, a pe
 `emulated_chunk`), whose own compute is tens of microseconds, and it wraps the executor's handlers (its public table,
 the way `ExecutorHooks` adds behaviour without touching the loop):
 
-- F, B, BI, BW run the real handler (which waits for the received input, as always), then sleep for the
-  rest of the action's duration: `duration - own compute`, own compute being the handler's time less its
-  wait on the input (`PipelineExecutor._wait_s`). The model's compute is absorbed into the duration, and
-  the JSON reports its share (`model_share`).
+- F, B, BI, BW run the real handler (which waits for the received input, as always) and end at a deadline:
+  the action's start (when the executor called it, pushed back by its waits: the copies below and its
+  input, `PipelineExecutor._wait_s`) plus the cost model's duration. The model's compute and the
+  executor's work inside the handler are absorbed into the duration; what they leave of it is the action's
+  slack, recorded per action, and an action whose own work exceeded its cost is counted in its row
+  (`actions_over_cost`). The JSON reports the model's share of busy time (`model_share`). The wait sleeps,
+  then spins its last 0.15 ms, with the timer slack at 1 ns: a sleep alone wakes 0.05-0.13 ms late.
 - OFFLOAD, RELOAD (host copies, one lane per rank) and EVICT, LOAD (BPipe, one lane per peer and
   direction) run the real store's handler and then occupy their lane for `CostModel.transfer_time`
   seconds, as the simulator times them: a copy back starts once the copy out is done, a B or BI waits
   for its stash's copy back, an F for the EVICTs issued before it (`schedules.simulate`). The acceptor's
   side of an EVICT (its ACCEPT post) is not waited for here: the real `PeerStore` does what it does.
 
-Not emulated: point-to-point transfer time beyond gloo's own (tens of microseconds on one host); the
-simulator is given latency 0, so a full-size activation's link time is outside this comparison.
+Not emulated: point-to-point transfer time beyond gloo's own; the simulator is given latency 0, so a
+full-size activation's link time is outside this comparison. What the executor adds beyond the costs is
+taken apart along each measured step's critical path (`critical_path`): overruns, the executor's work
+between a rank's compute actions, producer-to-consumer hops, waits.
 
 This is a benchmark mode: it lives here and in `tools/trace_vs_sim.py --emulate`, never behind a training
 flag. Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of a host),
@@ -81,12 +86,31 @@ def _now() -> float:
     return time.perf_counter()
 
 
+SPIN_S = 1.5e-4
+"""The last part of a wait is spun on the clock, not slept: a sleep wakes up late by a scheduler's tick
+(0.05-0.13 ms here, median, with the timer slack at 1 ns or the default 50 us), which would lengthen every
+action by that much."""
+
+
 def _sleep_until(deadline: float) -> float:
-    """Sleep until `deadline`; returns how long that was."""
+    """Wait until `deadline` (sleeping, then spinning its last `SPIN_S`); returns how long that was."""
     gap = deadline - _now()
-    if gap > 0:
-        time.sleep(gap)
+    if gap > SPIN_S:
+        time.sleep(gap - SPIN_S)
+    while _now() < deadline:
+        pass
     return max(gap, 0.0)
+
+
+def tighten_timer_slack() -> bool:
+    """Set this thread's timer slack to 1 ns (Linux prctl PR_SET_TIMERSLACK): sleeps end closer to their
+    deadline. False where not available."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).prctl(29, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass
@@ -123,24 +147,29 @@ class Emulator:
         self._evicted_at = 0.0
 
     def _timed_compute(self, real):
+        """F, B, BI, BW end at a deadline: the action's start plus its cost, the start being when the executor
+        called it, pushed back by whatever it waited for (its stash's copy back or earlier evictions, as the
+        simulator has them, and its received input). The model's compute and the executor's work inside the
+        handler are absorbed in the cost; what they leave of it is the action's slack, negative when they
+        exceeded it (the action then ends late by that much, and the row counts it)."""
         def run(action) -> None:
             key = (action.microbatch, action.chunk)
             begin = _now()
-            # What the simulator makes a compute wait for besides its input: its stash's copy back, and for a
-            # forward the evictions issued before it.
             if action.op is Op.F:
                 _sleep_until(self._evicted_at)
             elif action.op is not Op.BW:
                 _sleep_until(self._back_at.pop(key, 0.0))
             copy_wait = _now() - begin
             waited_before = self.executor._wait_s  # the executor's time blocked on received inputs
-            start = _now()
+            called = _now()
             real(action)
+            returned = _now()
             input_wait = self.executor._wait_s - waited_before
-            own = _now() - start - input_wait
             duration = self.costs.duration(action.op, self._stage[action.chunk])
-            _sleep_until(_now() + duration - own)
-            self.compute.append((str(action), begin, _now(), copy_wait + input_wait, own, duration))
+            deadline = begin + copy_wait + input_wait + duration
+            _sleep_until(deadline)
+            self.compute.append((str(action), begin, _now(), copy_wait + input_wait, returned - called - input_wait,
+                                 duration, deadline - returned))
         return run
 
     def _timed_copy(self, real):
@@ -271,6 +300,7 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) 
                           emulated_batches(schedule.num_microbatches))
     chunks, executor, emulator, batches = _EMULATED[key]
     prioritised = raise_priority()  # again each call: threads started since (gloo's) inherit nothing earlier
+    tight = tighten_timer_slack()
     tokens = float(sum(b["loss_mask"].sum() for b in batches))
     out = []
     for model in costs:
@@ -285,7 +315,8 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) 
             result = executor.run(batches, loss_scale=1.0 / tokens)
             out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
                             "copies": emulator.copies, "posts": emulator.posts, "load": os.getloadavg()[0],
-                            "prioritised": prioritised})
+                            "prioritised": prioritised, "timer_slack_1ns": tight,
+                            "receives_ahead": dict(executor.receives_ahead)})
     return out
 
 
@@ -303,18 +334,82 @@ def step_window(per_rank: list[dict]) -> tuple[float, float]:
 
 def measure(per_rank: list[dict]) -> dict:
     """Step time, bubble (mean over ranks of (window - busy) / window, busy = the rank's compute net of its
-    waits, as `simulate` defines it) and the tiny model's share of busy time."""
+    waits, as `simulate` defines it), the tiny model's share of busy time, and where a measured step can
+    exceed the simulated one: actions outlasting their cost (`overrun_s`, a late wake-up or own work beyond
+    the cost), the executor's work between compute actions (`gap_s`: posting, the loop), medians in seconds;
+    each action's slack (its cost less its own work: median and least) and the actions whose own work
+    exceeded their cost (`overran`, with up to five labels)."""
     start, end = step_window(per_rank)
     window = end - start
-    busy = [sum(e - s - w for _, s, e, w, _, _ in r["compute"]) for r in per_rank]
-    own = sum(o for r in per_rank for _, _, _, _, o, _ in r["compute"])
-    # Where a measured step exceeds the simulated one: actions outlasting their cost (a late wake-up from the
-    # sleep) and the executor's work between compute actions (posting, the loop), both medians in seconds.
-    overrun = [e - s - w - d for r in per_rank for _, s, e, w, _, d in r["compute"]]
+    busy = [sum(c[2] - c[1] - c[3] for c in r["compute"]) for r in per_rank]
+    own = sum(c[4] for r in per_rank for c in r["compute"])
+    overrun = [c[2] - c[1] - c[3] - c[5] for r in per_rank for c in r["compute"]]
     gaps = [b[1] - a[2] for r in per_rank for a, b in zip(r["compute"], r["compute"][1:])]
+    slack = [(c[6], f"rank {rank} {c[0]}") for rank, r in enumerate(per_rank) for c in r["compute"] if len(c) > 6]
+    late = sorted(x for x in slack if x[0] < 0)
     return {"step_s": window, "bubble": sum((window - b) / window for b in busy) / len(busy),
             "model_share": own / sum(busy), "busy_s": busy, "overrun_s": statistics.median(overrun),
-            "gap_s": statistics.median(gaps) if gaps else 0.0}
+            "gap_s": statistics.median(gaps) if gaps else 0.0,
+            "slack_s": statistics.median(x for x, _ in slack) if slack else None,
+            "least_slack_s": min(x for x, _ in slack) if slack else None,
+            "actions": len(overrun), "overran": len(late), "overran_actions": [label for _, label in late[:5]]}
+
+
+def _producers(schedule: Schedule, labels: list[set]) -> dict:
+    """(rank, consumer label) -> (peer, producer label) for every received input: the k-th receive of a link
+    is the k-th send on it (a B whose backward is split is its BI)."""
+    def compute_label(rank, kind, a):
+        return f"{kind}{a.microbatch}.{a.chunk}" if kind == "F" or f"B{a.microbatch}.{a.chunk}" in labels[rank] \
+            else f"BI{a.microbatch}.{a.chunk}"
+
+    sent: dict = {}
+    for rank, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                sent.setdefault((rank, a.peer), []).append(compute_label(rank, "F" if a.op is Op.SEND_F else "B", a))
+    out, k = {}, {}
+    for rank, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                n = k[a.peer, rank] = k.get((a.peer, rank), -1) + 1
+                consumer = compute_label(rank, "F" if a.op is Op.RECV_F else "B", a)
+                out[rank, consumer] = (a.peer, sent[a.peer, rank][n])
+    return out
+
+
+def critical_path(schedule: Schedule, per_rank: list[dict]) -> dict:
+    """The measured step taken apart along its critical path, in seconds: from the compute action that ends
+    last, back through whatever each action started after (its received input, if its producer ended after
+    it was called, else the previous compute action of its rank) to the step's start. The parts add up to
+    the step (up to a copy ending last): `cost` (the cost model's, what the simulator has), `overrun`
+    (actions outlasting their cost), `gap` (the executor's work between two compute actions of a rank),
+    `hop` (a producer's end to its consumer's input being in: posting the send, gloo, the receiver's
+    wake-up; the simulator's latency is 0), `wait` (a consumer waiting for a stash copy), `lead` (the path's
+    first action starting after the step's)."""
+    records = [r["compute"] for r in per_rank]
+    index = [{c[0]: i for i, c in enumerate(rec)} for rec in records]
+    producers = _producers(schedule, [set(i) for i in index])
+    start, _ = step_window(per_rank)
+    rank = max(range(len(records)), key=lambda r: records[r][-1][2])
+    i = len(records[rank]) - 1
+    parts = dict.fromkeys(("cost", "overrun", "gap", "hop", "wait", "lead"), 0.0)
+    while True:
+        label, begin, end, waited, _, cost, *_ = records[rank][i]
+        parts["cost"] += cost
+        parts["overrun"] += end - begin - waited - cost
+        source = producers.get((rank, label))
+        if source is not None and records[source[0]][index[source[0]][source[1]]][2] > begin:
+            peer, produced = source
+            parts["hop"] += begin + waited - records[peer][index[peer][produced]][2]
+            rank, i = peer, index[peer][produced]
+        elif i > 0:
+            parts["wait"] += waited
+            parts["gap"] += begin - records[rank][i - 1][2]
+            i -= 1
+        else:
+            parts["wait"] += waited
+            parts["lead"] += begin - start
+            return parts
 
 
 def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: list[str], unit_s: float, steps: int,
@@ -345,7 +440,7 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> di
     import statistics
 
     sim = simulate(schedule, costs)
-    per_step = [measure(step) for step in steps[1:]]
+    per_step = [{**measure(step), "path": critical_path(schedule, step)} for step in steps[1:]]
     step = statistics.median(x["step_s"] for x in per_step)
     bubble = statistics.median(x["bubble"] for x in per_step)
     loads = [rank["load"] for s in steps for rank in s[:1]]
@@ -357,8 +452,18 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> di
            "model_share": statistics.median(x["model_share"] for x in per_step),
            "action_overrun_ms": 1e3 * statistics.median(x["overrun_s"] for x in per_step),
            "executor_gap_ms": 1e3 * statistics.median(x["gap_s"] for x in per_step),
+           "action_slack_ms": 1e3 * statistics.median(x["slack_s"] for x in per_step),
+           "least_action_slack_ms": 1e3 * min(x["least_slack_s"] for x in per_step),
+           "actions_per_step": per_step[0]["actions"],
+           "actions_over_cost": [x["overran"] for x in per_step],
+           "actions_over_cost_examples": next((x["overran_actions"] for x in per_step if x["overran"]), []),
+           "receives_ahead_max": max([k for rank in steps[0] for k in rank.get("receives_ahead", {}).values()],
+                                     default=1),
+           "critical_path_ms": {part: 1e3 * statistics.median(x["path"][part] for x in per_step)
+                                for part in per_step[0]["path"]},
            "load_average": [min(loads), max(loads)],
-           "raised_priority": all(rank.get("prioritised", False) for s in steps for rank in s)}
+           "raised_priority": all(rank.get("prioritised", False) for s in steps for rank in s),
+           "timer_slack_1ns": all(rank.get("timer_slack_1ns", False) for s in steps for rank in s)}
     row["within_target"] = abs(row["step_error"]) <= 0.05 and (
         row["bubble_error"] is None or abs(row["bubble_error"]) <= 0.15)
     return row

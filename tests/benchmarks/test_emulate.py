@@ -5,7 +5,8 @@ from collections import defaultdict
 
 import pytest
 
-from megatron_pp.benchmarks.emulate import Emulator, cost_model, family_schedule, measure, worker_emulate
+from megatron_pp.benchmarks.emulate import (Emulator, cost_model, critical_path, family_schedule, measure,
+                                            worker_emulate)
 from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.simulate import CostModel, simulate
 from tests.dist import run_distributed
@@ -40,35 +41,12 @@ def _messages(schedule, step):
     return out
 
 
-def late_posts(schedule) -> int:
-    """Messages whose receive the executor's rule (the next receive of a link is posted when the list reaches
-    the one before it) posts after the send, on the simulated timeline (equal costs): pure, no timing."""
-    sim = simulate(schedule, CostModel())
-    sends, posts = defaultdict(list), defaultdict(list)
-    for rank, timeline in enumerate(sim.timeline):
-        for a, start, _ in timeline:
-            if a.op in (Op.SEND_F, Op.SEND_B):
-                sends[rank, a.peer].append(start)
-            elif a.op in (Op.RECV_F, Op.RECV_B):
-                posts[a.peer, rank].append(start)
-    return sum(post > send for link, reached in posts.items()
-               for post, send in zip([0.0] + reached[:-1], sends[link]))
-
-
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "bpipe", "2bw"])
-@pytest.mark.parametrize("p", [4, 8, 16])
-def test_one_receive_ahead_per_link_is_posted_before_its_send(name, p):
-    """Holds for these lists; interleaved, GIS and looped-bfs post some receives after their send (up to 28
-    units at p = 16, docs/schedules.md "Emulated compute"), which costs nothing while transfers are instant."""
-    assert late_posts(family_schedule(name, p, 2 * p)) == 0
-
-
 @pytest.mark.parametrize("name,m", [("1f1b", 8), ("zb-v", 8)])
 def test_receives_are_posted_before_their_send_and_no_input_is_used_before_it_is_sent(name, m):
     schedule, step = _run(name, m)
     messages = _messages(schedule, step)
     assert len(messages) == sum(a.op in (Op.RECV_F, Op.RECV_B) for acts in schedule.actions for a in acts)
-    for send, recv, (begin, end, waited, own, cost) in messages:
+    for send, recv, (begin, end, waited, own, cost, slack) in messages:
         # The receive was waiting when the data left (one action of slack for a rank preempted on a busy host).
         assert recv <= send + UNIT_S
         assert end >= send  # the consumer finished only after its input was sent (causality)
@@ -82,7 +60,7 @@ def test_no_rank_idles_while_its_next_action_is_ready():
     bound absorbs wake-up latency on a loaded host); one whose input came later starts within that of the send."""
     unit = UNIT_S
     schedule, step = _run("zb-h1", 8, unit)
-    for send, _, (begin, end, waited, own, cost) in _messages(schedule, step):
+    for send, _, (begin, end, waited, own, cost, slack) in _messages(schedule, step):
         if send <= begin:
             assert waited <= unit
         else:
@@ -94,7 +72,7 @@ def test_stash_copies_finish_before_the_backward_that_needs_them():
     offloaded = 0
     for rank, record in enumerate(step):
         copies = {label: (start, end) for label, start, end in record["copies"]}
-        compute = {label: (begin, end, waited) for label, begin, end, waited, _, _ in record["compute"]}
+        compute = {label: (begin, end, waited) for label, begin, end, waited, *_ in record["compute"]}
         for label, (start, end) in copies.items():
             if not label.startswith("OFFLOAD"):
                 continue
@@ -114,15 +92,51 @@ def test_stash_copies_finish_before_the_backward_that_needs_them():
 
 def test_measure_reads_step_and_bubble_from_records():
     """Two ranks, one 10 s window: rank 0 busy 6 s (a 1 s wait inside), rank 1 busy 4 s -> bubble 0.5; rank 0's
-    second action starts 0.5 s after its first ends (executor work), and each outlasts its cost by 0.5 s."""
+    second action starts 0.5 s after its first ends (executor work), and each outlasts its cost by 0.5 s; rank 1's
+    action's own work exceeded its cost (negative slack) and is flagged."""
     step = [{"started": 0.0, "events": [("F0.0", 0.0, 10.0)], "copies": [],
-             "compute": [("F0.0", 0.0, 4.0, 1.0, 0.25, 2.5), ("F1.0", 4.5, 7.5, 0.0, 0.25, 2.5)]},
+             "compute": [("F0.0", 0.0, 4.0, 1.0, 0.25, 2.5, 2.25), ("F1.0", 4.5, 7.5, 0.0, 0.25, 2.5, 2.25)]},
             {"started": 1.0, "events": [("F0.0", 0.0, 5.0)], "copies": [],
-             "compute": [("F0.0", 2.0, 6.0, 0.0, 0.5, 3.5)]}]
+             "compute": [("F0.0", 2.0, 6.0, 0.0, 0.5, 3.5, -0.25)]}]
     measured = measure(step)
     assert measured["step_s"] == 10.0 and measured["bubble"] == pytest.approx(0.5)
     assert measured["model_share"] == pytest.approx(0.1)
     assert measured["overrun_s"] == pytest.approx(0.5) and measured["gap_s"] == pytest.approx(0.5)
+    assert measured["slack_s"] == pytest.approx(2.25) and measured["least_slack_s"] == pytest.approx(-0.25)
+    assert measured["overran"] == 1 and measured["overran_actions"] == ["rank 1 F0.0"]
+
+
+def test_critical_path_parts_add_up_to_the_step():
+    """1F1B at p = 2, m = 2, costs F = 1, B = 2 (simulated makespan 9): every transfer takes 0.1 from its
+    producer's end to its consumer's input (`hop`), every rank's next action starts 0.1 after its previous one
+    ends (`gap`), rank 0's first and last actions outlast their cost by 0.1 (`overrun`). The walk goes back from
+    rank 0's B1 through rank 1's B1, F1, B0, F0 to rank 0's F0: its costs are the simulated makespan's, and
+    the parts sum to the step."""
+    schedule = family_schedule("1f1b", 2, 2)
+    labels = [[str(a) for a in acts if a.is_compute] for acts in schedule.actions]
+    assert labels == [["F0.0", "F1.0", "B0.0", "B1.0"], ["F0.0", "B0.0", "F1.0", "B1.0"]]
+    # (label, begin, end, waited, own, cost, slack)
+    r0 = [("F0.0", 0.0, 1.1, 0.0, 0.1, 1.0, 0.9), ("F1.0", 1.2, 2.2, 0.0, 0.1, 1.0, 0.9),
+          ("B0.0", 2.3, 6.4, 2.1, 0.1, 2.0, 1.9), ("B1.0", 6.5, 9.7, 1.1, 0.1, 2.0, 1.9)]
+    r1 = [("F0.0", 0.05, 2.2, 1.15, 0.1, 1.0, 0.9), ("B0.0", 2.3, 4.3, 0.0, 0.1, 2.0, 1.9),
+          ("F1.0", 4.4, 5.4, 0.0, 0.1, 1.0, 0.9), ("B1.0", 5.5, 7.5, 0.0, 0.1, 2.0, 1.9)]
+    step = [{"started": 0.0, "events": [("B1.0", 0.0, 9.7)], "copies": [], "compute": r0},
+            {"started": 0.0, "events": [("B1.0", 0.0, 7.5)], "copies": [], "compute": r1}]
+    path = critical_path(schedule, step)
+    assert sum(path.values()) == pytest.approx(9.7)
+    assert path["cost"] == pytest.approx(9.0) == simulate(schedule, CostModel()).makespan
+    assert (path["overrun"], path["hop"], path["gap"]) == pytest.approx((0.2, 0.2, 0.3))
+    assert path["wait"] == pytest.approx(0.0) and path["lead"] == pytest.approx(0.0)
+
+
+def test_actions_end_at_their_deadline_not_before():
+    """Each emulated compute action ends no earlier than its start plus what it waited for plus its cost
+    (the deadline), and its recorded slack is that deadline less the end of its own work."""
+    schedule, step = _run("zb-h1", 8)
+    for record in step:
+        for label, begin, end, waited, own, cost, slack in record["compute"]:
+            assert end >= begin + waited + cost - 1e-9, label
+            assert own >= 0 and slack <= cost
 
 
 def test_emulator_refuses_nothing_silently():
