@@ -145,32 +145,43 @@ def _check_stash_transfer(rank: int, index: int, action: Action, forward_at: dic
     returned.add(key)
 
 
-def _check_rank(schedule: Schedule, rank: int) -> None:
-    acts = schedule.actions[rank]
-    forward_at: dict[tuple[int, int], int] = {}
-    backward_at: dict[tuple[int, int], int] = {}  # B, or BI when split
-    weight_grad_at: dict[tuple[int, int], int] = {}  # BW
-    live: dict[tuple[int, int], int | None] = {}  # stashes between F and B/BW -> their weight version
-    # Chunk -> weight version -> live stashes of it (versioned stashes only; kept so that the check of a
-    # forward does not scan every live stash).
-    live_versions: dict[int, Counter] = defaultdict(Counter)
-    received: dict[tuple[Op, int, int], int] = {}
-    sent: dict[tuple[Op, int, int], int] = {}
-    reduced_at: dict[int, list[int]] = {}  # chunk -> indices of its REDUCE_GRADs, one per microbatch group
-    # Layered accumulation may reduce a chunk once per group of g consecutive microbatches (reduction k
-    # covers group k); without the option there is one group: one reduction, after every backward.
-    group = schedule.options.get("microbatches_per_reduction") or schedule.num_microbatches
-    num_groups = -(-schedule.num_microbatches // group)
-    parked: dict[tuple[int, int], tuple[Action, int]] = {}  # stash off the device -> (its transfer, index)
-    returned: set[tuple[int, int]] = set()
-    hosted: dict[tuple[int, int], int] = {}  # a partner's stash accepted here and not yet returned -> index
-    given_back: dict[tuple[int, int], int] = {}
-    # Per chunk, where the input of its forward and of its backward comes from (`_input_source`); chunks
-    # are in range here (`_check_fields` ran).
-    forward_input = [_input_source(schedule, rank, chunk, Op.RECV_F) for chunk in range(schedule.num_chunks)]
-    backward_input = [_input_source(schedule, rank, chunk, Op.RECV_B) for chunk in range(schedule.num_chunks)]
+class _RankLedger:
+    """What `_check_rank` has seen of one rank's list so far: where each (microbatch, chunk) ran its forward,
+    backward (B, or BI when split) and weight gradient (BW), its live stashes with their weight versions,
+    the sends and receives, the chunks' reductions, and the stashes parked away or hosted for a partner."""
 
-    for i, a in enumerate(acts):
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.acts = schedule.actions[rank]
+        self.forward_at: dict[tuple[int, int], int] = {}
+        self.backward_at: dict[tuple[int, int], int] = {}  # B, or BI when split
+        self.weight_grad_at: dict[tuple[int, int], int] = {}  # BW
+        self.live: dict[tuple[int, int], int | None] = {}  # stashes between F and B/BW -> their weight version
+        # Chunk -> weight version -> live stashes of it (versioned stashes only; kept so that the check of a
+        # forward does not scan every live stash).
+        self.live_versions: dict[int, Counter] = defaultdict(Counter)
+        self.received: dict[tuple[Op, int, int], int] = {}
+        self.sent: dict[tuple[Op, int, int], int] = {}
+        self.reduced_at: dict[int, list[int]] = {}  # chunk -> indices of its REDUCE_GRADs, one per group
+        # Layered accumulation may reduce a chunk once per group of g consecutive microbatches (reduction k
+        # covers group k); without the option there is one group: one reduction, after every backward.
+        self.group = schedule.options.get("microbatches_per_reduction") or schedule.num_microbatches
+        self.num_groups = -(-schedule.num_microbatches // self.group)
+        self.parked: dict[tuple[int, int], tuple[Action, int]] = {}  # stash off the device -> (transfer, index)
+        self.returned: set[tuple[int, int]] = set()
+        self.hosted: dict[tuple[int, int], int] = {}  # a partner's stash accepted here, not yet returned -> index
+        self.given_back: dict[tuple[int, int], int] = {}
+        # Per chunk, where the input of its forward and of its backward comes from (`_input_source`); chunks
+        # are in range here (`_check_fields` ran).
+        self.forward_input = [_input_source(schedule, rank, c, Op.RECV_F) for c in range(schedule.num_chunks)]
+        self.backward_input = [_input_source(schedule, rank, c, Op.RECV_B) for c in range(schedule.num_chunks)]
+
+
+def _check_rank(schedule: Schedule, rank: int) -> None:
+    """Walk one rank's list in order: each action against what ran before it, then what must have run by
+    the end. Communication, most of the actions, is checked inline; the rest by one helper per kind."""
+    ledger = _RankLedger(schedule, rank)
+    forward_at, backward_at, sent, received = ledger.forward_at, ledger.backward_at, ledger.sent, ledger.received
+    for i, a in enumerate(ledger.acts):
         op = a.op
         if op in COMM_OPS:  # most actions: tested first, which no check below depends on
             comm_key = (op, a.microbatch, a.chunk)
@@ -187,96 +198,126 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 if comm_key in received:
                     raise _error(rank, i, a, f"already received at action {received[comm_key]}")
                 received[comm_key] = i
-            continue
-        key = (a.microbatch, a.chunk)
-        if a.op is Op.ACCEPT:
-            if key in hosted or key in given_back:
-                raise _error(rank, i, a, f"stash {key[0]}.{key[1]} of rank {a.peer} is accepted a second time")
-            hosted[key] = i
-            continue
-        if a.op is Op.RETURN:
-            if key not in hosted:
-                raise _error(rank, i, a, f"returns stash {key[0]}.{key[1]} to rank {a.peer} before accepting it "
-                                         f"(no ACCEPT{key[0]}.{key[1]}<{a.peer} earlier in this list)")
-            given_back[key] = i
-            del hosted[key]
-            continue
-        if parked and a.op in (Op.B, Op.BI, Op.BW) and key in parked:
-            away, at = parked[key]
-            back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
-            raise _error(rank, i, a, f"its stash is off the device since {away} (action {at}); {back} must come "
-                                     "before the backward")
-        if a.op in TRANSFER_OPS:
-            _check_stash_transfer(rank, i, a, forward_at, backward_at, parked, returned)
-        elif a.op is Op.F:
-            if key in forward_at:
-                raise _error(rank, i, a, f"second forward of this microbatch and chunk "
-                                         f"(first at action {forward_at[key]})")
-            _check_input(rank, i, a, Op.RECV_F, forward_input[a.chunk], received, forward_at)
-            held = live_versions[a.chunk]
-            if a.version is not None and a.version not in held and len(held) == 2:
-                raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted({*held, a.version})} "
-                                         "at once; at most 2 may be live")
-            forward_at[key] = i
-            live[key] = a.version
-            if a.version is not None:
-                held[a.version] += 1
-        elif a.op in (Op.B, Op.BI):
-            if key in backward_at:
-                raise _error(rank, i, a, f"second backward of this microbatch and chunk "
-                                         f"(first at action {backward_at[key]})")
-            if key not in forward_at:
-                raise _error(rank, i, a, f"no stash to consume: F{a.microbatch}.{a.chunk} has not run before it "
-                                         "(stash count would go negative)")
-            if a.version != live[key]:
-                raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
-            _check_input(rank, i, a, Op.RECV_B, backward_input[a.chunk], received, backward_at)
-            _check_not_reduced(rank, i, a, reduced_at, group)
-            backward_at[key] = i
-            if a.op is Op.B:
-                _release(live, live_versions, key)
-        elif a.op is Op.BW:
-            if key in weight_grad_at:
-                raise _error(rank, i, a, f"second weight-gradient of this microbatch and chunk "
-                                         f"(first at action {weight_grad_at[key]})")
-            if key not in backward_at or acts[backward_at[key]].op is not Op.BI:
-                raise _error(rank, i, a, f"BW needs BI{a.microbatch}.{a.chunk} before it")
-            if a.version != live[key]:
-                raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {live[key]}")
-            _check_not_reduced(rank, i, a, reduced_at, group)
-            weight_grad_at[key] = i
-            _release(live, live_versions, key)
-        elif a.op is Op.REDUCE_GRAD:
-            done = reduced_at.setdefault(a.chunk, [])
-            if len(done) == num_groups:
-                per_group = f" ({num_groups} per step, one per {group} microbatches)" if num_groups > 1 else ""
-                raise _error(rank, i, a, f"chunk {a.chunk} already reduced at action {done[-1]}{per_group}")
-            done.append(i)
+        elif op in HOSTING_OPS:
+            _check_hosted(ledger, rank, i, a)
+        else:
+            _check_compute_or_transfer(ledger, rank, i, a)
+    _check_rank_complete(schedule, rank, ledger)
 
-    end = len(acts)
-    neighbours = [forward_neighbours(schedule, rank, chunk) for chunk in range(schedule.num_chunks)]
-    for chunk, done in reduced_at.items():
+
+def _check_hosted(ledger: _RankLedger, rank: int, i: int, a: Action) -> None:
+    """ACCEPT (a partner's stash lands here, once) and RETURN (sends back one accepted earlier)."""
+    key = (a.microbatch, a.chunk)
+    if a.op is Op.ACCEPT:
+        if key in ledger.hosted or key in ledger.given_back:
+            raise _error(rank, i, a, f"stash {key[0]}.{key[1]} of rank {a.peer} is accepted a second time")
+        ledger.hosted[key] = i
+        return
+    if key not in ledger.hosted:
+        raise _error(rank, i, a, f"returns stash {key[0]}.{key[1]} to rank {a.peer} before accepting it "
+                                 f"(no ACCEPT{key[0]}.{key[1]}<{a.peer} earlier in this list)")
+    ledger.given_back[key] = i
+    del ledger.hosted[key]
+
+
+def _check_compute_or_transfer(ledger: _RankLedger, rank: int, i: int, a: Action) -> None:
+    """A stash transfer, a compute action (F, B, BI, BW) or a REDUCE_GRAD. A backward needs its stash on
+    the device: a parked one must have come back first."""
+    key = (a.microbatch, a.chunk)
+    if ledger.parked and a.op in (Op.B, Op.BI, Op.BW) and key in ledger.parked:
+        away, at = ledger.parked[key]
+        back = Action(RETURN_TRANSFER[away.op], *key, away.peer)
+        raise _error(rank, i, a, f"its stash is off the device since {away} (action {at}); {back} must come "
+                                 "before the backward")
+    if a.op in TRANSFER_OPS:
+        _check_stash_transfer(rank, i, a, ledger.forward_at, ledger.backward_at, ledger.parked, ledger.returned)
+    elif a.op is Op.F:
+        _check_forward(ledger, rank, i, a, key)
+    elif a.op in (Op.B, Op.BI, Op.BW):
+        _check_backward(ledger, rank, i, a, key)
+    elif a.op is Op.REDUCE_GRAD:
+        done = ledger.reduced_at.setdefault(a.chunk, [])
+        if len(done) == ledger.num_groups:
+            per_group = (f" ({ledger.num_groups} per step, one per {ledger.group} microbatches)"
+                         if ledger.num_groups > 1 else "")
+            raise _error(rank, i, a, f"chunk {a.chunk} already reduced at action {done[-1]}{per_group}")
+        done.append(i)
+
+
+def _check_forward(ledger: _RankLedger, rank: int, i: int, a: Action, key: tuple[int, int]) -> None:
+    """Once per (microbatch, chunk), after its input arrived; at most two weight versions live per chunk."""
+    if key in ledger.forward_at:
+        raise _error(rank, i, a, f"second forward of this microbatch and chunk "
+                                 f"(first at action {ledger.forward_at[key]})")
+    _check_input(rank, i, a, Op.RECV_F, ledger.forward_input[a.chunk], ledger.received, ledger.forward_at)
+    held = ledger.live_versions[a.chunk]
+    if a.version is not None and a.version not in held and len(held) == 2:
+        raise _error(rank, i, a, f"chunk {a.chunk} would hold weight versions {sorted({*held, a.version})} "
+                                 "at once; at most 2 may be live")
+    ledger.forward_at[key] = i
+    ledger.live[key] = a.version
+    if a.version is not None:
+        held[a.version] += 1
+
+
+def _check_backward(ledger: _RankLedger, rank: int, i: int, a: Action, key: tuple[int, int]) -> None:
+    """B or BI: once, after its forward (same weight version) and its input, before the chunk's reduction.
+    BW: once, after its BI, same version, before the reduction. B and BW free the stash."""
+    if a.op is Op.BW:
+        if key in ledger.weight_grad_at:
+            raise _error(rank, i, a, f"second weight-gradient of this microbatch and chunk "
+                                     f"(first at action {ledger.weight_grad_at[key]})")
+        if key not in ledger.backward_at or ledger.acts[ledger.backward_at[key]].op is not Op.BI:
+            raise _error(rank, i, a, f"BW needs BI{a.microbatch}.{a.chunk} before it")
+    else:
+        if key in ledger.backward_at:
+            raise _error(rank, i, a, f"second backward of this microbatch and chunk "
+                                     f"(first at action {ledger.backward_at[key]})")
+        if key not in ledger.forward_at:
+            raise _error(rank, i, a, f"no stash to consume: F{a.microbatch}.{a.chunk} has not run before it "
+                                     "(stash count would go negative)")
+    if a.version != ledger.live[key]:
+        raise _error(rank, i, a, f"weight version {a.version} differs from its forward's {ledger.live[key]}")
+    if a.op is not Op.BW:
+        _check_input(rank, i, a, Op.RECV_B, ledger.backward_input[a.chunk], ledger.received, ledger.backward_at)
+    _check_not_reduced(rank, i, a, ledger.reduced_at, ledger.group)
+    if a.op is Op.BW:
+        ledger.weight_grad_at[key] = i
+    else:
+        ledger.backward_at[key] = i
+    if a.op is not Op.BI:
+        _release(ledger.live, ledger.live_versions, key)
+
+
+def _check_rank_complete(schedule: Schedule, rank: int, ledger: _RankLedger) -> None:
+    """At the end of the list: every chunk reduced once per group, every parked stash back, every hosted
+    one returned, and every (microbatch, chunk) forwarded, backwarded (BI with its BW) and its results sent
+    to the neighbour stages that need them."""
+    acts, num_groups, group = ledger.acts, ledger.num_groups, ledger.group
+    for chunk, done in ledger.reduced_at.items():
         if len(done) < num_groups:
             last = done[-1]
             raise _error(rank, last, acts[last],
                          f"only {len(done)} of the {num_groups} reductions of chunk {chunk} (one per {group} "
                          f"microbatches): microbatches {len(done) * group}..{schedule.num_microbatches - 1} "
                          "are never reduced")
-    if parked:
-        (mb, chunk), (away, at) = next(iter(parked.items()))
+    if ledger.parked:
+        (mb, chunk), (away, at) = next(iter(ledger.parked.items()))
         raise _error(rank, at, away, f"stash {mb}.{chunk} never comes back")
-    if hosted:
-        (mb, chunk), at = next(iter(hosted.items()))
+    if ledger.hosted:
+        (mb, chunk), at = next(iter(ledger.hosted.items()))
         raise _error(rank, at, acts[at], f"hosted stash {mb}.{chunk} is never returned to rank {acts[at].peer}")
+    forward_at, backward_at, sent = ledger.forward_at, ledger.backward_at, ledger.sent
+    neighbours = [forward_neighbours(schedule, rank, chunk) for chunk in range(schedule.num_chunks)]
     for mb in range(schedule.num_microbatches):
         for chunk in range(schedule.num_chunks):
             key = (mb, chunk)
             if key not in forward_at:
-                raise _error(rank, end, "end of list", f"F{mb}.{chunk} never runs")
+                raise _error(rank, len(acts), "end of list", f"F{mb}.{chunk} never runs")
             f = forward_at[key]
             if key not in backward_at:
                 raise _error(rank, f, acts[f], f"no backward (B{mb}.{chunk}, or BI and BW) follows")
-            if acts[backward_at[key]].op is Op.BI and key not in weight_grad_at:
+            if acts[backward_at[key]].op is Op.BI and key not in ledger.weight_grad_at:
                 raise _error(rank, backward_at[key], acts[backward_at[key]], f"BW{mb}.{chunk} never follows")
             prev_rank, next_rank = neighbours[chunk]
             for op, peer, producer in ((Op.SEND_F, next_rank, f), (Op.SEND_B, prev_rank, backward_at[key])):
