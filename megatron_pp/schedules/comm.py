@@ -400,19 +400,36 @@ def insert_communication(schedule: Schedule) -> Schedule:
     Raises ScheduleError when a compute needs a message that no rank produces, or when the compute order
     itself deadlocks (some rank waits for data that can only come after it proceeds).
     """
-    p = schedule.num_ranks
-    present: set[Op] = set()  # operations of the input, for the passes registered after communication
+    present = _compute_only_ops(schedule)
+    sends_after, sent, wanted = _messages(schedule)
+    lists = _merge(schedule, _receives_before(schedule, sent, wanted), sends_after)
+    replay = RendezvousReplay(lists, bool(schedule.options.get(HOIST_TO_SEND_ONLY_BATCHES)))
+    while not replay.settle():
+        if not replay.hoist_receive():
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
+                                + "; ".join(b.describe() for b in replay.blocked()))
+    return _passes_after_communication(dataclasses.replace(schedule, actions=lists), present, schedule.name)
+
+
+def _compute_only_ops(schedule: Schedule) -> set[Op]:
+    """The operations of a compute-only input (for the passes registered after communication); a list that
+    already communicates is refused."""
+    present: set[Op] = set()
     for rank, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.op in _INSERTED_OPS:
                 raise ScheduleError(f"rank {rank}, action {i} ({a}): schedule {schedule.name!r} already has "
                                     "communication; insert_communication expects compute-only lists")
             present.add(a.op)
-    sends_after: list[dict[int, Action]] = [{} for _ in range(p)]  # a compute sends to one rank at most
-    # Per link, in the sender's order: (message, index of its producer in the sender's compute list).
+    return present
+
+
+def _messages(schedule: Schedule) -> tuple[list[dict[int, Action]], dict, dict]:
+    """Who sends what to whom: per rank, the SEND after each producing compute (a compute sends to one
+    rank at most); per link, in the sender's order, (message, index of its producer in the sender's list);
+    and on the receiving side, message -> (index of its consumer, its chunk)."""
+    sends_after: list[dict[int, Action]] = [{} for _ in range(schedule.num_ranks)]
     sent: dict[Link, list[tuple[Message, int]]] = defaultdict(list)
-    # Receiving side: message -> (index of its consumer in the compute list, its chunk); the RECV action is
-    # made where it is placed.
     wanted: dict[Link, dict[Message, tuple[int, int]]] = defaultdict(dict)
     for rank, acts in enumerate(schedule.actions):
         chunks: dict[int, tuple[int | None, int | None, int]] = {}  # chunk -> (prev rank, next rank, stage)
@@ -432,8 +449,14 @@ def insert_communication(schedule: Schedule) -> Schedule:
             if target is not None:
                 sends_after[rank][i] = Action(send_op, a.microbatch, a.chunk, target)
                 sent[rank, target].append(((kind, a.microbatch, stage), i))
+    return sends_after, sent, wanted
 
-    recvs_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(p)]
+
+def _receives_before(schedule: Schedule, sent: dict, wanted: dict) -> list[dict[int, list[Action]]]:
+    """Per rank, the RECVs to place before each compute: every message of a link received in the sender's
+    order, no later than its consumer; a message produced but never consumed, or consumed but never
+    produced, is an error naming both ends."""
+    recvs_before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(schedule.num_ranks)]
     for link in sorted(set(sent) | set(wanted)):
         src, dst = link
         order, needs = sent.get(link, []), wanted.get(link, {})
@@ -453,15 +476,19 @@ def insert_communication(schedule: Schedule) -> Schedule:
             at[k] = min(at[k], at[k + 1])
         for (message, _), consumer_at in zip(order, at):
             recvs_before[dst][consumer_at].append(_receive(message, needs[message][1], src))
+    return recvs_before
 
+
+def _merge(schedule: Schedule, recvs_before: list, sends_after: list) -> list[list[Action]]:
+    """Each rank's list with its receives before their computes and its sends after them. Stash transfers
+    issued after a compute go before its sends, so that they never split the batch of those sends with the
+    next compute's receives (the pairing that avoids deadlocks)."""
     lists: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):
         out: list[Action] = []
         sends: list[Action] = []
         receives, sends_of = recvs_before[rank], sends_after[rank]
         for i, a in enumerate(acts):
-            # Stash transfers issued after a compute go before its sends, so that they never split the
-            # batch of those sends with the next compute's receives (the pairing that avoids deadlocks).
             if a.op not in SIDE_OPS:
                 out += sends
                 sends = []
@@ -471,13 +498,12 @@ def insert_communication(schedule: Schedule) -> Schedule:
             if i in sends_of:
                 sends.append(sends_of[i])
         lists.append(out + sends)
+    return lists
 
-    replay = RendezvousReplay(lists, bool(schedule.options.get(HOIST_TO_SEND_ONLY_BATCHES)))
-    while not replay.settle():
-        if not replay.hoist_receive():
-            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: "
-                                + "; ".join(b.describe() for b in replay.blocked()))
-    with_comm = dataclasses.replace(schedule, actions=lists)
+
+def _passes_after_communication(with_comm: Schedule, present: set[Op], name: str) -> Schedule:
+    """Run the registered passes whose operations the input has (BPipe's hosting, a plugin's); an operation
+    with a partner side that no pass placed is an error."""
     handled: set[Op] = set()
     for ops, pass_fn in _PASSES_AFTER_COMMUNICATION:
         if ops & present:
@@ -485,7 +511,7 @@ def insert_communication(schedule: Schedule) -> Schedule:
             handled |= ops
     unhandled = (present & set(PARTNER_OP)) - handled
     if unhandled:
-        raise ScheduleError(f"schedule {schedule.name!r} has {', '.join(sorted(o.name for o in unhandled))} actions "
-                            "but no pass places their partner's side: import the module that registers it "
+        raise ScheduleError(f"schedule {name!r} has {', '.join(sorted(o.name for o in unhandled))} "
+                            "actions but no pass places their partner's side: import the module that registers it "
                             "(megatron_pp.schedules.bpipe for BPipe's parking)")
     return with_comm
