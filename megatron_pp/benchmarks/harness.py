@@ -161,49 +161,23 @@ def run_benchmark(
     seed: int = 1234,
     pool: Optional[WorkerPool] = None,
 ) -> dict:
-    from megatron_pp.schedules.simulate import simulate
-    from megatron_pp.training.flops import iteration_flops, peak_tflops
-
+    """Per round: the one-process baseline step, the contention control and one step of each schedule on a
+    pool of `pp` processes; then the report of benchmarks/bench_schedules.py (docs/benchmarks.md)."""
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    model = build_model(config, seed=seed, device=device)
-    data = MockData(seed, config.seq_length, config.vocab_size, micro_batch, micro_batch * microbatches)
-    batches = data.step_microbatches(0, 0, device)
-    tokens = float(sum(b["loss_mask"].sum() for b in batches))
     own_pool = pool is None
     pool = pool or WorkerPool(pp, backend="nccl" if cuda else "gloo")
     v_of = {name: (chunks if name.startswith("interleaved") else 1) for name in schedules}
-    samples: dict[str, list[dict]] = {name: [] for name in schedules}
-    baselines: list[float] = []
-    controls: list[float] = []
     try:
-        # Warm-up: build every pipeline and touch every code path once, untimed.
-        _baseline_step(model, batches, tokens)
-        pool.run(_worker_control, config, micro_batch, microbatches, seed)
-        for name in schedules:
-            pool.run(_worker_step, config, name, pp, microbatches, v_of[name], micro_batch, seed)
-        for _ in range(rounds):
-            base = _baseline_step(model, batches, tokens)
-            control = max(pool.run(_worker_control, config, micro_batch, microbatches, seed))
-            baselines.append(base)
-            controls.append(control)
-            for name in schedules:
-                per_rank = pool.run(_worker_step, config, name, pp, microbatches, v_of[name], micro_batch, seed)
-                wall = max(r["wall_s"] for r in per_rank)
-                bubble = 1 + ideal_bubble(name, pp, microbatches, v_of[name])
-                samples[name].append({"wall_s": wall, "ratio_to_ideal": wall / (base / pp * bubble),
-                                      "ratio_to_contended_ideal": wall / (control / pp * bubble),
-                                      "cpu_s": [r["cpu_s"] for r in per_rank], "wait_s": [r["wait_s"] for r in per_rank],
-                                      "busy_s": [r["busy_s"] for r in per_rank],
-                                      "peak_stash_bytes": [r["peak_stash_bytes"] for r in per_rank],
-                                      "peak_cuda_bytes": [r["peak_cuda_bytes"] for r in per_rank],
-                                      "device": per_rank[0]["device"]})
+        samples, baselines, controls = _measure_rounds(
+            schedules, v_of, pool, pp=pp, microbatches=microbatches, rounds=rounds, micro_batch=micro_batch,
+            config=config, seed=seed, device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
     finally:
         if own_pool:
             pool.close()
+    device_name = samples[schedules[0]][0]["device"] if schedules else "cpu"
     report = {
-        "device": samples[schedules[0]][0]["device"] if schedules else "cpu",
+        "device": device_name,
         "pp": pp, "microbatches": microbatches, "chunks": chunks, "rounds": rounds, "micro_batch_size": micro_batch,
         "model": {"num_layers": config.num_layers, "hidden_size": config.hidden_size, "seq_length": config.seq_length,
                   "vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads},
@@ -211,36 +185,79 @@ def run_benchmark(
         "contention_slowdown_median": statistics.median(c / b for c, b in zip(controls, baselines)),
         "schedules": {},
     }
+    for name, rows in samples.items():
+        report["schedules"][name] = _schedule_summary(name, rows, baselines, device_name, pp=pp,
+                                                      microbatches=microbatches, v=v_of[name],
+                                                      micro_batch=micro_batch, config=config)
+    return report
+
+
+def _measure_rounds(schedules, v_of, pool, *, pp, microbatches, rounds, micro_batch, config, seed, device):
+    """Warm every path once, untimed; then `rounds` rounds of baseline, control and each schedule. Returns
+    the per-schedule samples (one dict per round) and the rounds' baseline and control step times."""
+    model = build_model(config, seed=seed, device=device)
+    data = MockData(seed, config.seq_length, config.vocab_size, micro_batch, micro_batch * microbatches)
+    batches = data.step_microbatches(0, 0, device)
+    tokens = float(sum(b["loss_mask"].sum() for b in batches))
+    samples: dict[str, list[dict]] = {name: [] for name in schedules}
+    baselines: list[float] = []
+    controls: list[float] = []
+    _baseline_step(model, batches, tokens)
+    pool.run(_worker_control, config, micro_batch, microbatches, seed)
+    for name in schedules:
+        pool.run(_worker_step, config, name, pp, microbatches, v_of[name], micro_batch, seed)
+    for _ in range(rounds):
+        base = _baseline_step(model, batches, tokens)
+        control = max(pool.run(_worker_control, config, micro_batch, microbatches, seed))
+        baselines.append(base)
+        controls.append(control)
+        for name in schedules:
+            per_rank = pool.run(_worker_step, config, name, pp, microbatches, v_of[name], micro_batch, seed)
+            wall = max(r["wall_s"] for r in per_rank)
+            bubble = 1 + ideal_bubble(name, pp, microbatches, v_of[name])
+            samples[name].append({"wall_s": wall, "ratio_to_ideal": wall / (base / pp * bubble),
+                                  "ratio_to_contended_ideal": wall / (control / pp * bubble),
+                                  "cpu_s": [r["cpu_s"] for r in per_rank], "wait_s": [r["wait_s"] for r in per_rank],
+                                  "busy_s": [r["busy_s"] for r in per_rank],
+                                  "peak_stash_bytes": [r["peak_stash_bytes"] for r in per_rank],
+                                  "peak_cuda_bytes": [r["peak_cuda_bytes"] for r in per_rank],
+                                  "device": per_rank[0]["device"]})
+    return samples, baselines, controls
+
+
+def _schedule_summary(name, rows, baselines, device_name, *, pp, microbatches, v, micro_batch, config) -> dict:
+    """One schedule's entry of the report: medians and spreads over its rounds, throughput, simulated and
+    measured bubble, peaks per rank."""
+    from megatron_pp.schedules.simulate import simulate
+    from megatron_pp.training.flops import iteration_flops, peak_tflops
+
     flops = iteration_flops(config, micro_batch * microbatches).model
-    device_name = samples[schedules[0]][0]["device"] if schedules else "cpu"
     peak = peak_tflops(torch.device("cuda")) if device_name != "cpu" else None
     tokens = micro_batch * microbatches * config.seq_length
-    for name, rows in samples.items():
-        step = statistics.median(r["wall_s"] for r in rows)
-        busy = [statistics.median(r["busy_s"][k] for r in rows) if rows[0]["busy_s"][k] is not None else None
-                for k in range(pp)]
-        tflops = flops / step / pp / 1e12
-        report["schedules"][name] = {
-            "step_time_s_median": step,
-            "step_time_s_spread": [min(r["wall_s"] for r in rows), max(r["wall_s"] for r in rows)],
-            "tokens_per_s": tokens / step,
-            "tflops_per_device": tflops,
-            "mfu": tflops / peak if peak else None,
-            "bubble_simulated": simulate(build_schedule(name, pp, microbatches, v_of[name])).bubble_fraction,
-            "bubble_measured": (statistics.mean(1 - b / step for b in busy) if None not in busy else None),
-            "peak_stash_bytes_per_rank": [max(r["peak_stash_bytes"][k] for r in rows) for k in range(pp)],
-            "peak_cuda_bytes_per_rank": ([max(r["peak_cuda_bytes"][k] for r in rows) for k in range(pp)]
-                                         if rows[0]["peak_cuda_bytes"][0] is not None else None),
-            "v": v_of[name],
-            "ratio_to_ideal_median": statistics.median(r["ratio_to_ideal"] for r in rows),
-            "ratio_to_ideal_min": min(r["ratio_to_ideal"] for r in rows),
-            "ratio_to_ideal_max": max(r["ratio_to_ideal"] for r in rows),
-            "ratio_to_contended_ideal_median": statistics.median(r["ratio_to_contended_ideal"] for r in rows),
-            "speedup_vs_baseline_median": statistics.median(b / r["wall_s"] for b, r in zip(baselines, rows)),
-            "cpu_s_per_rank_median": [statistics.median(r["cpu_s"][k] for r in rows) for k in range(pp)],
-            "comm_wait_s_per_rank_median": [statistics.median(r["wait_s"][k] for r in rows) for k in range(pp)],
-        }
-    return report
+    step = statistics.median(r["wall_s"] for r in rows)
+    busy = [statistics.median(r["busy_s"][k] for r in rows) if rows[0]["busy_s"][k] is not None else None
+            for k in range(pp)]
+    tflops = flops / step / pp / 1e12
+    return {
+        "step_time_s_median": step,
+        "step_time_s_spread": [min(r["wall_s"] for r in rows), max(r["wall_s"] for r in rows)],
+        "tokens_per_s": tokens / step,
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak if peak else None,
+        "bubble_simulated": simulate(build_schedule(name, pp, microbatches, v)).bubble_fraction,
+        "bubble_measured": (statistics.mean(1 - b / step for b in busy) if None not in busy else None),
+        "peak_stash_bytes_per_rank": [max(r["peak_stash_bytes"][k] for r in rows) for k in range(pp)],
+        "peak_cuda_bytes_per_rank": ([max(r["peak_cuda_bytes"][k] for r in rows) for k in range(pp)]
+                                     if rows[0]["peak_cuda_bytes"][0] is not None else None),
+        "v": v,
+        "ratio_to_ideal_median": statistics.median(r["ratio_to_ideal"] for r in rows),
+        "ratio_to_ideal_min": min(r["ratio_to_ideal"] for r in rows),
+        "ratio_to_ideal_max": max(r["ratio_to_ideal"] for r in rows),
+        "ratio_to_contended_ideal_median": statistics.median(r["ratio_to_contended_ideal"] for r in rows),
+        "speedup_vs_baseline_median": statistics.median(b / r["wall_s"] for b, r in zip(baselines, rows)),
+        "cpu_s_per_rank_median": [statistics.median(r["cpu_s"][k] for r in rows) for k in range(pp)],
+        "comm_wait_s_per_rank_median": [statistics.median(r["wait_s"][k] for r in rows) for k in range(pp)],
+    }
 
 
 # Single-device MFU against Hugging Face's LlamaForCausalLM (benchmarks/bench_mfu.py) ---------------------------
