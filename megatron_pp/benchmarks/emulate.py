@@ -355,25 +355,31 @@ def measure(per_rank: list[dict]) -> dict:
             "actions": len(overrun), "overran": len(late), "overran_actions": [label for _, label in late[:5]]}
 
 
-def _producers(schedule: Schedule, labels: list[set]) -> dict:
+def _producers(schedule: Schedule) -> dict:
     """(rank, consumer label) -> (peer, producer label) for every received input: the k-th receive of a link
-    is the k-th send on it (a B whose backward is split is its BI)."""
-    def compute_label(rank, kind, a):
-        return f"{kind}{a.microbatch}.{a.chunk}" if kind == "F" or f"B{a.microbatch}.{a.chunk}" in labels[rank] \
-            else f"BI{a.microbatch}.{a.chunk}"
+    is the k-th send on it; a send's producer is the last compute action before it of its (microbatch,
+    chunk) and kind (F for SEND_F, B or BI for SEND_B), a receive's consumer the next one after it."""
+    forward, backward = {Op.F}, {Op.B, Op.BI}
+
+    def near(actions, index, step, kinds, a):
+        while not (actions[index].op in kinds and (actions[index].microbatch, actions[index].chunk)
+                   == (a.microbatch, a.chunk)):
+            index += step
+        return str(actions[index])
 
     sent: dict = {}
     for rank, actions in enumerate(schedule.actions):
-        for a in actions:
+        for i, a in enumerate(actions):
             if a.op in (Op.SEND_F, Op.SEND_B):
-                sent.setdefault((rank, a.peer), []).append(compute_label(rank, "F" if a.op is Op.SEND_F else "B", a))
+                kinds = forward if a.op is Op.SEND_F else backward
+                sent.setdefault((rank, a.peer), []).append(near(actions, i, -1, kinds, a))
     out, k = {}, {}
     for rank, actions in enumerate(schedule.actions):
-        for a in actions:
+        for i, a in enumerate(actions):
             if a.op in (Op.RECV_F, Op.RECV_B):
                 n = k[a.peer, rank] = k.get((a.peer, rank), -1) + 1
-                consumer = compute_label(rank, "F" if a.op is Op.RECV_F else "B", a)
-                out[rank, consumer] = (a.peer, sent[a.peer, rank][n])
+                kinds = forward if a.op is Op.RECV_F else backward
+                out[rank, near(actions, i, 1, kinds, a)] = (a.peer, sent[a.peer, rank][n])
     return out
 
 
@@ -388,7 +394,7 @@ def critical_path(schedule: Schedule, per_rank: list[dict]) -> dict:
     first action starting after the step's)."""
     records = [r["compute"] for r in per_rank]
     index = [{c[0]: i for i, c in enumerate(rec)} for rec in records]
-    producers = _producers(schedule, [set(i) for i in index])
+    producers = _producers(schedule)
     start, _ = step_window(per_rank)
     rank = max(range(len(records)), key=lambda r: records[r][-1][2])
     i = len(records[rank]) - 1

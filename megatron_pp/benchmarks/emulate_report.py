@@ -133,7 +133,13 @@ def _report(args, argv, rows, load_start, started, torch_version) -> dict:
         "torch": torch_version,
         "unit_ms": args.unit_ms,
         "steps_measured": args.steps,
-        "model": "gpt-tiny, 1 layer per chunk, hidden 16, 2 heads, ffn 32, seq 8, vocab 64, micro-batch 1",
+        "model": "emulate.emulated_chunk: per chunk one column-parallel linear layer 8 x 8 (an embedding of 16 x 8 "
+                 "before it on the first stage, a per-token loss after it on the last), 4 tokens, micro-batch 1",
+        "receives_ahead": "per incoming link, receives kept posted ahead by the executor (simulate.receives_ahead); "
+                          "rows: receives_ahead_max over the schedule's links",
+        "critical_path": "rows: critical_path_ms, the measured step taken apart along its critical path "
+                         "(emulate.critical_path; medians over the measured steps): cost + overrun + gap + hop + "
+                         "wait + lead = step",
         "cost_sets": {"equal": "F = 1, B = 2, BI = BW = 1 unit per rank's share of the layers (1/v unit per chunk)",
                       "split": "F = 1, B = 2, BI and BW from docs/results/split_backward_cpu.json (F = B/2 ours)"},
         "transfers": "OFFLOAD/RELOAD/EVICT/LOAD: CostModel.transfer_time (the schedule's offload_time, default "
