@@ -26,9 +26,11 @@ from megatron_pp.schedules.schedule_file import FILE_SCHEDULE_OPTIONS
 from megatron_pp.training.config_files import ConfigFileError, expand_config_file
 from megatron_pp.training.errors import agree_on_usage_errors
 from megatron_pp.training.flags import ArgumentError, build_parser
+from megatron_pp.training.batch_ramp import BatchSizes, check_rampup
 from megatron_pp.training.megatron_compat import MEGATRON_ATTENTION_BACKENDS, check_megatron_compat
-from megatron_pp.training.job_schedule import (build_job_schedule, fixed_placement, job_schedule_options, num_chunks,
-                                               schedule_source, schedule_takes_offload_time, virtual_stages_given)
+from megatron_pp.training.job_schedule import (build_job_schedule, check_ramp_sizes, fixed_placement,
+                                               job_schedule_options, num_chunks, schedule_source,
+                                               schedule_takes_offload_time, virtual_stages_given)
 
 # The names other modules take from here; the flag, config-file and schedule ones live in their own modules.
 __all__ = ["ArgumentError", "build_parser", "build_job_schedule", "derive_args", "expand_config_file",
@@ -326,7 +328,9 @@ def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig
         return ((_check_weight_versions(args, facts) if facts is not None else []), facts)
     try:
         chunks = num_chunks(args, config) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
-        schedule = build_job_schedule(argparse.Namespace(**{**vars(args), "global_batch_size": gbs}), dp, chunks)
+        sized = argparse.Namespace(**{**vars(args), "global_batch_size": gbs})
+        schedule = build_job_schedule(sized, dp, chunks)
+        _build_ramp_schedules(sized, dp, chunks)
         if args.pipeline_schedule_file and chunks is None:
             split_layers(config.num_layers, pp, schedule.num_chunks,
                          account_for_embedding=args.account_for_embedding_in_pipeline_split,
@@ -334,6 +338,26 @@ def _check_schedule(args: argparse.Namespace, config: Optional[TransformerConfig
     except ValueError as exc:
         return [" ".join(str(exc).split())], None
     return _check_weight_versions(args, schedule), schedule
+
+
+def _data_parallel_size(args: argparse.Namespace, world: int) -> Optional[int]:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return world // (tp * pp) if min(tp, pp) >= 1 and world % (tp * pp) == 0 else None
+
+
+def _check_rampup(args: argparse.Namespace, world: int) -> list[str]:
+    dp = _data_parallel_size(args, world)
+    gbs = args.global_batch_size if args.global_batch_size is not None or not dp else args.micro_batch_size * dp
+    return check_rampup(argparse.Namespace(**{**vars(args), "global_batch_size": gbs}), dp)
+
+
+def _build_ramp_schedules(args: argparse.Namespace, dp: int, chunks: Optional[int]) -> None:
+    """The batch-size ramp-up's other microbatch counts, checked as `job_schedule.check_ramp_sizes` says."""
+    if getattr(args, "rampup_batch_size", None) is None or check_rampup(args, dp):
+        return  # no ramp, or a bad one (its own lines)
+    counts = [size // (args.micro_batch_size * dp) for size in BatchSizes.from_args(args).distinct_sizes()
+              if size != args.global_batch_size]
+    check_ramp_sizes(args, dp, chunks, counts)
 
 
 def _schedule_at_nominal_size(args: argparse.Namespace) -> Optional[Schedule]:
@@ -452,6 +476,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None, *,
     errors += _check_faults(args)
     errors += _check_evaluation_and_logging(args)
     errors += check_megatron_compat(args)
+    errors += _check_rampup(args, world)
     model_errors, config = _check_model(args)
     schedule_errors, schedule = _check_schedule(args, config, world)
     errors += schedule_errors
@@ -497,8 +522,8 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None) -> a
         args.use_distributed_optimizer = True
     if args.tensor_model_parallel_size == 1 and args.sequence_parallel:  # Megatron-LM's rule: nothing to split
         args.sequence_parallel, args.sequence_parallel_at_tp1 = False, True
-    if args.train_iters is None:
-        args.train_iters = args.train_samples // args.global_batch_size
+    if args.train_iters is None:  # Megatron-LM's count, the batch-size ramp-up's iterations included
+        args.train_iters = BatchSizes.from_args(args).train_iters(args.train_samples)
     return args
 
 

@@ -89,15 +89,16 @@ def schedule_takes_offload_time(args: argparse.Namespace) -> bool:
 
 
 def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],
-                       offload_time: Optional[float] = None) -> Schedule:
+                       offload_time: Optional[float] = None, num_microbatches: Optional[int] = None) -> Schedule:
     """The validated schedule this job runs, from the registry or from --pipeline-schedule-file: the one
     function `pretrain` and the argument checks both call. `num_chunks` None: the file says (a registered
-    schedule then has 1). Raises ValueError with one line."""
+    schedule then has 1). `num_microbatches` None: --global-batch-size's; else a step of the batch-size
+    ramp-up (`training.batch_ramp`). Raises ValueError with one line."""
     from megatron_pp.schedules.registry import build_schedule
     from megatron_pp.schedules.schedule_file import build_schedule_from_file
 
     pp = args.pipeline_model_parallel_size
-    m = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
+    m = num_microbatches or args.global_batch_size // (args.micro_batch_size * data_parallel_size)
     options = job_schedule_options(args)
     if offload_time is not None:
         options["offload_time"] = offload_time
@@ -105,6 +106,29 @@ def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_ch
         return build_schedule_from_file(args.pipeline_schedule_file, num_ranks=pp, num_microbatches=m,
                                         num_chunks=num_chunks, **options)
     return build_schedule(args.pipeline_schedule, pp, m, num_chunks or 1, **options)
+
+
+def check_ramp_sizes(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],
+                     counts: list[int]) -> None:
+    """The batch-size ramp-up's microbatch counts, checked before the run: the smallest is built and validated
+    as the main list is, and every count runs the schedule's generator, whose refusals (too few microbatches,
+    a count that is not a multiple of the group size, a schedule file made for another count) are the ones a
+    count can meet. Each count's list is built and validated in full when the job first reaches it
+    (`Pipeline.executor_for`): building them all here costs about a second per count of a GPT-3 ramp at
+    pp 16. Raises ValueError naming the count."""
+    from megatron_pp.schedules.registry import get_schedule
+
+    for i, m in enumerate(sorted(counts)):
+        try:
+            if i == 0 or getattr(args, "pipeline_schedule_file", None):
+                build_job_schedule(args, data_parallel_size, num_chunks, num_microbatches=m)
+                continue
+            entry = get_schedule(args.pipeline_schedule)
+            sizes = (args.pipeline_model_parallel_size, m) + ((num_chunks or 1,) if entry.supports_virtual else ())
+            entry.builder(*sizes, **job_schedule_options(args))
+        except ValueError as exc:
+            raise ValueError(f"--rampup-batch-size: the ramp's global batch {m * args.micro_batch_size * data_parallel_size}"
+                             f" ({m} microbatches per step): {' '.join(str(exc).split())}") from exc
 
 
 def virtual_stages_given(args: argparse.Namespace) -> bool:

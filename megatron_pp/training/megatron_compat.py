@@ -91,7 +91,9 @@ def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
     mc.add_argument("--context-parallel-size", type=int, default=None,
                     help="Context parallelism: only 1 (none, the default) is supported here.")
     mc.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
-                    help="Megatron-LM's batch-size ramp-up: refused here (one microbatch count per run).")
+                    help="Megatron-LM's batch-size ramp-up (with --train-samples): the global batch grows from START by "
+                         "INCREMENT over SAMPLES consumed samples to --global-batch-size; each microbatch count "
+                         "runs its own validated action list (docs/training.md).")
     for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc", "--overlap-param-gather",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--profile",
                  "--use-pytorch-profiler"):
@@ -153,9 +155,6 @@ def check_megatron_compat(args: argparse.Namespace) -> list[str]:
     if args.context_parallel_size not in (None, 1):
         errors.append(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                       "implemented here; only 1 is accepted (split the sequence with --sequence-parallel under tp)")
-    if args.rampup_batch_size is not None:
-        errors.append("--rampup-batch-size: batch-size ramp-up is not implemented here (a run's pipeline schedule "
-                      "is built for one microbatch count); drop it to train at --global-batch-size from the start")
     if args.overlap_param_gather and not args.use_distributed_optimizer and (
             args.data_parallel_sharding_strategy == "no_shard"):
         errors.append("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)")

@@ -6,9 +6,9 @@ schedule places on this rank, builds those chunks, and gives the executor the st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import argparse
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -39,6 +39,33 @@ class Pipeline:
     """2BW: the two weight versions the executor switches between (None for single-version schedules)."""
     recompute: Optional[RecomputeConfig] = None
     """What the chunks recompute: the `--recompute-*` flags, else the schedule's own memory mode."""
+    schedule_for: Optional[Callable[[int], Schedule]] = None
+    """The batch-size ramp-up: the job's validated schedule at another microbatch count (None: one count)."""
+    on_new_executor: Optional[Callable[[PipelineExecutor], None]] = None
+    """Called with each executor `executor_for` builds (the optimizer connects its hooks)."""
+    ramp_executors: dict[int, PipelineExecutor] = field(default_factory=dict)
+
+    def executor_for(self, num_microbatches: int) -> PipelineExecutor:
+        """The executor of a step of `num_microbatches`: the main one at the schedule's count, else (the
+        batch-size ramp-up) one per count over the same chunks, built on first use and kept. Every rank
+        reaches each count at the same iteration, so the collective setup of a stash store (BPipe's pairs)
+        happens in step."""
+        if num_microbatches == self.schedule.num_microbatches:
+            return self.executor
+        executor = self.ramp_executors.get(num_microbatches)
+        if executor is not None:
+            return executor
+        if self.schedule_for is None:
+            raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {num_microbatches}")
+        schedule = self.schedule_for(num_microbatches)
+        main = self.executor
+        executor = PipelineExecutor(schedule, self.state.pp_rank, self.chunks, comm=main.comm,
+                                    activation_shape=main.activation_shape, dtype=main.dtype, device=main.device,
+                                    trace=main.trace, store=peer_store_for(schedule, self.state))
+        if self.on_new_executor is not None:
+            self.on_new_executor(executor)
+        self.ramp_executors[num_microbatches] = executor
+        return executor
 
     @property
     def stage_ids(self) -> list[int]:

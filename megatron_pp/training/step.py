@@ -39,14 +39,15 @@ def train_step(
     Returns the executor's result and the global token count used to normalise the loss (a tensor).
     """
     tokens = global_token_count(microbatches, pipe.state)
+    executor = pipe.executor_for(len(microbatches))  # another count than the schedule's: the batch-size ramp-up
     if optimizer is None:
         for p in unique_parameters(pipe.chunks):
             p.grad = None
-        result = pipe.executor.run(microbatches, loss_scale=1.0 / tokens)
+        result = executor.run(microbatches, loss_scale=1.0 / tokens)
         finalize_gradients(pipe.chunks, pipe.state)
         return result, tokens
     optimizer.reducer.start_step(len(microbatches))
-    result = pipe.executor.run(microbatches, loss_scale=optimizer.loss_multiplier / tokens)
+    result = executor.run(microbatches, loss_scale=optimizer.loss_multiplier / tokens)
     optimizer.reducer.finish()
     return result, tokens
 

@@ -66,10 +66,13 @@ class TrainingData:
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
-    def microbatches(self, split: Split, first_sample: int, dp_rank: int, device: torch.device) -> list[dict]:
-        """This replica's microbatches of the global batch starting at sample `first_sample`."""
+    def microbatches(self, split: Split, first_sample: int, dp_rank: int, device: torch.device,
+                     global_batch_size: Optional[int] = None) -> list[dict]:
+        """This replica's microbatches of the global batch starting at sample `first_sample` (of
+        `global_batch_size` samples, default the run's: a step of the batch-size ramp-up is smaller)."""
         b = self.micro_batch_size
-        starts = [first_sample + j * b * self.dp_size + dp_rank * b for j in range(self.num_microbatches)]
+        count = (global_batch_size or self.global_batch_size) // (b * self.dp_size)
+        starts = [first_sample + j * b * self.dp_size + dp_rank * b for j in range(count)]
         batches = [split.get_batch(range(start, start + b), device) for start in starts]
         if self.vocab_size is not None:
             for start, batch in zip(starts, batches):

@@ -38,6 +38,7 @@ from megatron_pp.models.ops import use_fused_rotary
 from megatron_pp.models.recompute import RecomputeConfig
 from megatron_pp.training.arguments import (build_job_schedule, model_config_from_args, num_chunks, parse_args,
                                             schedule_takes_offload_time, uses_file_data, virtual_stages_given)
+from megatron_pp.training.batch_ramp import BatchSizes
 from megatron_pp.training.checkpointing import (
     CheckpointError,
     TrainingState,
@@ -130,6 +131,10 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     else:
         optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     connect_optimizer(pipe.executor, optimizer)  # REDUCE_GRAD -> its reducer; sharded weights' gathers
+    if args.rampup_batch_size is not None:  # one validated list per microbatch count, built on first use
+        pipe.schedule_for = lambda m: build_job_schedule(
+            args, state.dp_size, chunks, offload_time=probe.offload_time if probe else None, num_microbatches=m)
+        pipe.on_new_executor = lambda executor: connect_optimizer(executor, optimizer)
     checkpoint = TrainingState(
         chunks=pipe.chunks, stage_ids=pipe.stage_ids, stages=pipe.layout, placement=schedule.placement,
         state=state, config=config, schedule_name=schedule.name, optimizer=optimizer,
@@ -150,6 +155,11 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
             f"schedule {schedule.name} (m={schedule.num_microbatches}, v={schedule.num_chunks}), "
             f"{config.num_parameters(state.tp_size) / 1e6:.2f}M parameters"
         )
+        if args.rampup_batch_size is not None:
+            ramp = BatchSizes.from_args(args).ramp_batches()
+            trainer.log(f"megatron_pp: batch-size ramp-up (--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}):"
+                        f" global batch {ramp[0]} -> {args.global_batch_size} over {len(ramp)} iterations "
+                        f"({sum(ramp)} samples), {args.train_iters} iterations in all")
         compat_line = accepted_without_effect(args)  # Megatron-LM flags that tune only its own machinery
         if compat_line is not None:
             trainer.log(compat_line)

@@ -25,6 +25,7 @@ from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.schedules.execute import StepResult
 from megatron_pp.core import clock
 from megatron_pp.core.clock import ClockSync, JobClock
+from megatron_pp.training.batch_ramp import BatchSizes
 from megatron_pp.training.checkpointing import (
     CheckpointError,
     TrainingState,
@@ -86,10 +87,14 @@ class Trainer:
     steps: Optional["StepDriver"] = None
     """How iterations are run: `FlushedSteps` (default) or, for lists that carry weight versions,
     `training.twobw.DeferredUpdateSteps` (`pretrain` picks it)."""
+    batch_sizes: Optional[BatchSizes] = None
+    """Each iteration's global batch (default from the flags: constant, or --rampup-batch-size's ramp-up)."""
 
     def __post_init__(self) -> None:
         if self.steps is None:
             self.steps = FlushedSteps(self)
+        if self.batch_sizes is None:
+            self.batch_sizes = BatchSizes.from_args(self.args)
 
     @property
     def state(self) -> ParallelState:
@@ -109,32 +114,37 @@ class Trainer:
         self.pending_messages.clear()
 
     def train_iteration(self) -> dict:
-        """One optimizer step on the next global batch; returns its metrics row (on every rank)."""
+        """One optimizer step on the next global batch; returns its metrics row (on every rank).
+
+        The global batch is `batch_sizes.at(consumed samples)` (constant, or the batch-size ramp-up's), and
+        the learning rate is the schedule's at the position before the step, as Megatron-LM's scheduler
+        reads it (stepped after each update: its first step runs at the warm-up's starting rate)."""
         args, pipe, state = self.args, self.pipe, self.state
         start = time.perf_counter()
-        microbatches = self.data.microbatches(self.data.train, self.progress.consumed_samples, state.dp_rank,
-                                              state.device)
+        consumed = self.progress.consumed_samples
+        batch = self.batch_sizes.at(consumed)
+        microbatches = self.data.microbatches(self.data.train, consumed, state.dp_rank, state.device, batch)
         iteration = self.progress.iteration + 1
-        position = self.progress.consumed_samples + args.global_batch_size
-        lr = self.lr_schedule.learning_rate(iteration, position)
+        lr = self.lr_schedule.learning_rate(iteration - 1, consumed)
         result, tokens = train_step(pipe, microbatches, self.optimizer)
         self.faults.after_backward(iteration, lambda: poison_first_gradient(self.optimizer.reducer.held_pieces()))
-        outcome = self.optimizer.step(lr, self.lr_schedule.decoupled_rate(iteration, position))
+        outcome = self.optimizer.step(lr, self.lr_schedule.decoupled_rate(iteration - 1, consumed))
         metrics = step_metrics(pipe, result, tokens)
         step_time = time.perf_counter() - start
         self.progress.iteration += 1
-        self.progress.consumed_samples += args.global_batch_size
+        self.progress.consumed_samples += batch
         if args.trace_file:
             self.traces.append(local_events(result))
-        tflops = self.flops.model / step_time / state.world_size / 1e12
-        hardware_tflops = self.flops.hardware / step_time / state.world_size / 1e12
+        share = batch / args.global_batch_size  # FLOPs are linear in the batch (a ramp-up step is smaller)
+        tflops = share * self.flops.model / step_time / state.world_size / 1e12
+        hardware_tflops = share * self.flops.hardware / step_time / state.world_size / 1e12
         return {
             "iteration": self.progress.iteration,
             "consumed_samples": self.progress.consumed_samples,
             "loss": metrics.loss,
             "grad_norm": outcome.grad_norm,
             "lr": lr,
-            "global_batch_size": args.global_batch_size,
+            "global_batch_size": batch,
             "loss_scale": 1.0 if outcome.loss_scale is None else outcome.loss_scale,  # 1.0: no loss scaling
             "skipped": outcome.skipped,
             "step_time_s": step_time,

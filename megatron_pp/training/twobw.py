@@ -66,7 +66,7 @@ class DeferredUpdateSteps:
         self.optimizer: DelayedUpdateOptimizer = trainer.optimizer
         self.plan = build_plan(trainer.state.pp_size, trainer.data.num_microbatches)
         batch_size = trainer.args.global_batch_size
-        self.optimizer.lr_of_batch = lambda t: trainer.lr_schedule.learning_rate(t + 1, (t + 1) * batch_size)
+        self.optimizer.lr_of_batch = lambda t: trainer.lr_schedule.learning_rate(t, t * batch_size)
         self._fresh = True  # the next call starts after a flush (or the start)
         self._loaded: dict[int, list[dict]] = {}  # batch -> this replica's microbatches
         self._calls: dict[int, _Call] = {}

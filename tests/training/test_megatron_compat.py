@@ -167,3 +167,61 @@ def test_grad_reduce_in_bf16_accumulates_in_bf16_and_steps_on_fp32_copies():
     flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in reference_grads])
     assert 0 < (flat - ref).norm() / ref.norm() < 2e-2
     assert outcome.grad_norm == pytest.approx(reference.grad_norm, rel=2e-2) and reference.grad_norm > 0.5
+
+
+def _loss_normalisations(ctx, masks):
+    """Gradients of one step at dp 2 (pp 1) through `train_step`, on microbatches whose loss masks hold unequal
+    token counts; and, in one process over the whole global batch, Megatron-LM's two normalisations: with
+    --calculate-per-token-loss (every loss token summed, divided by the global batch's token count: its
+    finalize_model_grads divides by the tokens all-reduced over dp, and the dp reduction sums), and without
+    it (each microbatch's per-token mean, / microbatches, averaged over dp)."""
+    from megatron_pp.training.pipeline import build_pipeline
+    from megatron_pp.schedules.registry import build_schedule
+    from megatron_pp.training.step import train_step
+    from megatron_pp.training.step_data import MockSplit
+
+    config = dataclasses.replace(get_preset("gpt-tiny"), num_layers=2)
+    state = ctx.parallel_state(1, 1)
+    split = MockSplit(3, config.seq_length, config.vocab_size)
+    per_rank = len(masks) // state.dp_size
+
+    def batch(i):
+        b = split.get_batch([i])
+        b["loss_mask"] = masks[i].reshape(1, -1).clone()
+        return b
+
+    pipe = build_pipeline(config, state, build_schedule("1f1b", 1, per_rank), micro_batch_size=1, seed=3)
+    # Global sample i is microbatch i // dp of replica i % dp (micro-batch size 1).
+    _, tokens = train_step(pipe, [batch(j * state.dp_size + state.dp_rank) for j in range(per_rank)])
+    ours = {n: p.grad.clone() for n, p in pipe.chunks[0].named_parameters()}
+
+    def one_process(normalise):
+        model = build_model(config, seed=3)
+        normalise(model).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    def per_token(model):
+        losses = [(model(None, batch(i)).float() * masks[i]).sum() for i in range(len(masks))]
+        return sum(losses) / sum(m.sum() for m in masks)
+
+    def per_microbatch(model):
+        means = [(model(None, batch(i)).float() * masks[i]).sum() / masks[i].sum() for i in range(len(masks))]
+        return sum(means) / len(masks)
+
+    return float(tokens), ours, one_process(per_token), one_process(per_microbatch)
+
+
+def test_the_loss_is_megatron_lms_calculate_per_token_loss():
+    """Ours is --calculate-per-token-loss's normalisation whether the flag is given or not; without the flag
+    Megatron-LM's differs when microbatches hold different numbers of loss tokens, by more than the tolerance."""
+    from tests.dist import run_distributed
+
+    seq = get_preset("gpt-tiny").seq_length
+    counts = [seq, 3, seq // 2, 7]  # loss tokens of global samples 0..3
+    masks = [torch.cat([torch.ones(c), torch.zeros(seq - c)]) for c in counts]
+    results = run_distributed(2, _loss_normalisations, masks)
+    for tokens, ours, per_token, per_microbatch in results:
+        assert tokens == sum(counts)
+        for name, grad in ours.items():
+            assert torch.allclose(grad, per_token[name], rtol=1e-5, atol=1e-7), name
+        assert any(not torch.allclose(per_token[n], per_microbatch[n], rtol=1e-3, atol=1e-6) for n in ours)

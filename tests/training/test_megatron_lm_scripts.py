@@ -1,7 +1,7 @@
 """Megatron-LM's own launch scripts, with only the entry point changed: every flag of its llama3 8B (bf16,
 mock data) and GPT-3 175B examples parses, the run starts and trains with the model shrunk by flags
-appended after them, and what cannot run here is refused in one line (fp8, context parallelism, the
-batch-size ramp-up)."""
+appended after them, and what cannot run here is refused in one line (fp8, context parallelism, and the
+GPT-3 script's batch-size ramp-up with --train-iters, which Megatron-LM refuses too)."""
 from __future__ import annotations
 
 import json
@@ -50,12 +50,27 @@ def test_llama_script_is_valid_at_its_own_size_and_fp8_is_refused_in_one_line(tm
     assert len(errors) == 1 and errors[0].startswith("--fp8-format: fp8 training needs TransformerEngine")
 
 
-def test_gpt3_script_is_refused_only_for_its_batch_ramp_up(tmp_path):
+def _counted_in_samples(flags):
+    """The GPT-3 script with its run and decay lengths in samples (x its global batch of 1536): Megatron-LM's
+    validate_args refuses --rampup-batch-size with --train-iters ('expected no batch-size rampup for
+    iteration-based training'), so the script runs there only so changed."""
+    flags = list(flags)
+    for iters, samples in (("--train-iters", "--train-samples"), ("--lr-decay-iters", "--lr-decay-samples")):
+        at = flags.index(iters)
+        flags[at:at + 2] = [samples, str(int(flags[at + 1]) * 1536)]
+    return flags
+
+
+def test_gpt3_script_is_refused_only_for_its_ramp_up_with_train_iters_as_megatron_lm_refuses_it(tmp_path):
     files = _bpe_corpus(tmp_path)
     args = build_parser().parse_args(_placed(GPT3_175B, files) + ["--tokenizer-type", "GPT2BPETokenizer"])
     errors = validate_args(args, world_size=128, this_machine=False)
-    assert errors == ["--rampup-batch-size: batch-size ramp-up is not implemented here (a run's pipeline schedule "
-                      "is built for one microbatch count); drop it to train at --global-batch-size from the start"]
+    assert errors == ["--rampup-batch-size 16 16 5859375 needs --train-samples (a sample-counted run, as "
+                      "Megatron-LM requires: it refuses a ramp-up with --train-iters)"]
+    # Counted in samples, the script is valid at its own size, the ramp's 96 microbatch counts included.
+    args = build_parser().parse_args(_counted_in_samples(_placed(GPT3_175B, files))
+                                     + ["--tokenizer-type", "GPT2BPETokenizer"])
+    assert validate_args(args, world_size=128, this_machine=False) == []
 
 
 def test_start_up_line_names_each_flag_without_effect_that_was_given():
@@ -90,8 +105,9 @@ def test_llama_script_trains_shrunk_through_pretrain_gpt(tmp_path):
     assert "--sequence-parallel (off at tensor-parallel size 1, as in Megatron-LM)" in out
     rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "lr" in r]  # not the validation rows
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    # --lr-warmup-samples 4 of a cosine decay to --min-lr over 12 samples: step 1 ends the warm-up at --lr.
-    assert rows[0]["lr"] == pytest.approx(1.5e-4) and rows[-1]["lr"] == pytest.approx(1e-5)
+    # --lr-warmup-samples 4 of a cosine decay to --min-lr over 12 samples, each step at the rate before it (as
+    # Megatron-LM's scheduler is read): 0, the warm-up's end at --lr, then half-way down the cosine.
+    assert [r["lr"] for r in rows] == pytest.approx([0.0, 1.5e-4, 1e-5 + 0.5 * (1.5e-4 - 1e-5)])
     assert all(0 < r["loss"] < 20 for r in rows)
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
@@ -107,18 +123,21 @@ def _bpe_corpus(tmp_path):
             "CKPT": str(tmp_path / "ck"), "TB": str(tmp_path / "tb")}
 
 
-def test_gpt3_script_without_its_ramp_up_trains_shrunk_on_two_pipeline_ranks(tmp_path):
+def test_gpt3_script_trains_shrunk_with_its_ramp_up_on_two_pipeline_ranks(tmp_path):
     files = _bpe_corpus(tmp_path)
-    flags = _placed(GPT3_175B, files)
-    at = flags.index("--rampup-batch-size")
-    del flags[at:at + 4]  # refused here (see the test above); everything else as the script gives it
+    flags = _counted_in_samples(_placed(GPT3_175B, files))  # the script's ramp-up, shrunk below
+    shrink = [a for a in SHRINK_GPT3 if a not in ("--train-iters", "--lr-decay-iters", "3")]
+    # Global batch 2, 2, then 4 (a 1F1B list of 2 microbatches, then the main one of 4), 14 samples: 4 steps.
+    shrink += ["--rampup-batch-size", "2", "2", "4", "--train-samples", "14", "--lr-decay-samples", "14"]
     metrics = tmp_path / "m.jsonl"
     # Megatron-LM's script names no --tokenizer-type; its vocab and merge files are GPT-2 BPE's.
-    _run(flags + SHRINK_GPT3 + ["--tokenizer-type", "GPT2BPETokenizer", "--metrics-file", str(metrics)], 2, tmp_path)
+    out = _run(flags + shrink + ["--tokenizer-type", "GPT2BPETokenizer", "--metrics-file", str(metrics)], 2, tmp_path)
+    assert "batch-size ramp-up (--rampup-batch-size 2 2 4): global batch 2 -> 4 over 3 iterations" in out
     rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "lr" in r]  # not the validation rows
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
-    # --lr-warmup-fraction .001 of --lr-decay-iters 3: a warm-up of 0.003 iterations, over before step 1.
-    assert rows[0]["lr"] < 6.0e-5 and rows[-1]["lr"] == pytest.approx(6.0e-6)
+    assert [(r["iteration"], r["global_batch_size"], r["consumed_samples"]) for r in rows] == [
+        (1, 2, 2), (2, 2, 4), (3, 4, 8), (4, 4, 12)]
+    # --lr-warmup-fraction .001 of 14 samples: step 1 runs at the warm-up's start, 0, as in Megatron-LM.
+    assert rows[0]["lr"] == 0.0 and 6.0e-6 < rows[-1]["lr"] < 6.0e-5
     assert all(0 < r["loss"] < 20 for r in rows)
 
 

@@ -108,7 +108,7 @@ BAD = [
     (["--model-preset", "gpt-tiny", "--tensor-model-parallel-size", "8"], "--tensor-model-parallel-size"),
     (["--model-preset", "gpt-tiny", "--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size 3"),
     (["--bf16", "--fp16"], "mutually exclusive"),
-    (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size: batch-size ramp-up is not implemented"),
+    (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size 16 16 1000 needs --train-samples"),
     (["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3"),
     (["--pipeline-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", "0"], "must be >= 1"),
     (["--pipeline-schedule", "1f1b", "--microbatch-group-size-per-vp-stage", "4"],

@@ -46,10 +46,11 @@ def test_saves_evaluations_and_resumes_happen_at_their_iterations_once(tmp_path,
     assert [r["iteration"] for r in evals] == [2, 4, 5]
     assert [(r["iteration"], r["consumed_samples"]) for r in train] == [(i, 4 * i) for i in range(1, 6)]
     assert [(r["iteration"], r["consumed_samples"]) for r in evals] == [(i, 4 * i) for i in (2, 4, 5)]
-    # The row's figures: the schedule's learning rate for the iteration, the batch's tokens over the step time.
+    # The row's figures: the schedule's learning rate at the position before the step (Megatron-LM's: its
+    # first warm-up step runs at 0), the batch's tokens over the step time.
     schedule = LRSchedule.from_args(args)
-    assert [r["lr"] for r in train] == [schedule.learning_rate(i, 4 * i) for i in range(1, 6)]
-    assert train[0]["lr"] == pytest.approx(5e-4) and train[1]["lr"] == pytest.approx(1e-3)
+    assert [r["lr"] for r in train] == [schedule.learning_rate(i - 1, 4 * (i - 1)) for i in range(1, 6)]
+    assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(5e-4) and train[2]["lr"] == pytest.approx(1e-3)
     for r in train:
         assert r["global_batch_size"] == 4 and r["loss_scale"] == 1.0 and r["skipped"] is False
         assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(4 * 32)  # global batch x sequence length
@@ -68,8 +69,8 @@ def test_saves_evaluations_and_resumes_happen_at_their_iterations_once(tmp_path,
     # Resumed and stopped by --exit-interval on a save iteration: one save, then the stop.
     longer, more, lines = _run(["--train-iters", "9", "--load", ck, "--exit-interval", "6", *common], capsys)
     assert [(r["iteration"], "loss" in r) for r in more] == [(6, True), (6, False)]
-    # The decay length follows --train-iters (9 now): the rate is the new schedule's at iteration 6.
-    assert more[0]["consumed_samples"] == 24 and more[0]["lr"] == LRSchedule.from_args(longer).learning_rate(6, 24)
+    # The decay length follows --train-iters (9 now): iteration 6 runs at the new schedule's rate after 5.
+    assert more[0]["consumed_samples"] == 24 and more[0]["lr"] == LRSchedule.from_args(longer).learning_rate(5, 20)
     assert _said(lines, "saved checkpoint") == [f"saved checkpoint {ck}/iter_0000006"] and read_tracker(ck) == 6
     assert _said(lines, "exiting after iteration 6")
 
