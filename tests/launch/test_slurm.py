@@ -48,13 +48,19 @@ def slurm():
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
-    """The checkout as committed plus uncommitted changes to tracked files: no logs/, no .venv, and a
-    space in its path."""
+    """The checkout as it is (committed, uncommitted changes to tracked files, and new files git does not
+    ignore, which a change in progress may import): no logs/, no .venv, and a space in its path."""
     path = str(tmp_path_factory.mktemp("launch") / "fresh clone")
     subprocess.run(["git", "clone", "-q", ROOT, path], check=True)
     diff = subprocess.run(["git", "-C", ROOT, "diff", "HEAD", "--binary"], check=True, capture_output=True).stdout
     if diff:
         subprocess.run(["git", "-C", path, "apply", "--whitespace=nowarn"], input=diff, check=True)
+    new = subprocess.run(["git", "-C", ROOT, "ls-files", "--others", "--exclude-standard", "-z"], check=True,
+                         capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, new):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(path, name))
     assert not os.path.exists(os.path.join(path, "logs"))
     return path
 
@@ -310,3 +316,51 @@ def test_a_corrupt_index_on_one_rank_is_one_line_from_that_rank(slurm, clone, ba
     assert lines[0][1].startswith(f"error: rank {bad_rank}: corpus.idx: not an indexed-dataset index"), lines
     assert "Traceback" not in logs[0] + logs[1], logs
     assert _output(clone, job).count(lines[0][1]) == 1, _output(clone, job)
+
+
+# (fault, rank, the job's one `error:` line starts with, the rank whose log holds it): see
+# tests/reliability/test_failing_rank.py for the same failures under a plain launch and under torchrun.
+FAILURES = [("enospc_save@1", 0, "error: rank 0: saving checkpoint ", 0),
+            ("enospc_save@1", 1, "error: rank 1: saving checkpoint ", 1),
+            # the gradient norm is agreed over the ranks: every rank stops, rank 0 says it once for the job
+            ("nan_grad@2", 0, "error: iteration 2: loss or gradients not finite", 0),
+            ("nan_grad@2", 1, "error: iteration 2: loss or gradients not finite", 0)]
+
+
+@pytest.mark.parametrize("fault,rank,line,printer", FAILURES, ids=[f"{f.split('@')[0]}-rank{r}" for f, r, *_ in FAILURES])
+def test_a_runtime_failure_on_one_rank_under_srun(slurm, clone, fault, rank, line, printer):
+    """srun mode, 2 tasks: a full disk during a save, or a NaN, on one rank. The job exits 1 (a runtime
+    failure) and its one `error:` line is in the log of the rank that printed it, and once in the job's output."""
+    run = f"runs/{fault.split('@')[0]}{rank}"
+    job = _submit(slurm, clone, [SBATCH, *_train(clone, run, 4, "--save-interval", "1", "--max-consecutive-nonfinite", "1")],
+                  MEGATRON_PP_INJECT_FAULTS=f"{fault}:{rank}")
+    info = slurm.wait_for(job, ("FAILED", "COMPLETED"), 240)
+    out = _output(clone, job)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), (info, out)
+    logs = {r: open(os.path.join(clone, "logs", str(job), f"rank-{r}.log"), errors="replace").read() for r in (0, 1)}
+    lines = [(r, text_line) for r, text in logs.items() for text_line in text.splitlines() if text_line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0][0] == printer and lines[0][1].startswith(line), logs
+    assert "Traceback" not in logs[0] + logs[1], logs
+    assert out.count(lines[0][1]) == 1, out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_dead_rank_under_srun(slurm, clone, rank):
+    """srun mode, 2 tasks, one SIGKILLed in its third step. The job output names the task that died first
+    (srun --kill-on-bad-exit then ends the other) and the job exits 1, a runtime failure. When rank 0 dies
+    its store goes with it and the survivor says rank 0 is gone, once; when rank 1 dies srun stops rank 0
+    before its watchdog could name it, and nothing else is said."""
+    run = f"runs/dead{rank}"
+    job = _submit(slurm, clone, [SBATCH, *_train(clone, run, 1000)], MEGATRON_PP_INJECT_FAULTS=f"kill_in_step@3:{rank}")
+    info = slurm.wait_for(job, ("FAILED", "COMPLETED", "CANCELLED"), 240)
+    out = _output(clone, job)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), (info, out)
+    assert out.count(f"task {rank} (rank {rank}) died first: Killed") == 1, out
+    logs = {r: open(os.path.join(clone, "logs", str(job), f"rank-{r}.log"), errors="replace").read() for r in (0, 1)}
+    lines = [(r, text_line) for r, text in logs.items() for text_line in text.splitlines() if text_line.startswith("error: ")]
+    if rank == 0:
+        assert len(lines) == 1 and lines[0][0] == 1 and lines[0][1].startswith("error: rank 0 is gone: "), logs
+        assert out.count(lines[0][1]) == 1, out
+    else:
+        assert all("rank 1 failed or stopped responding" in text_line for _, text_line in lines) and len(lines) <= 1, logs
+    assert "Traceback" not in logs[0] + logs[1], logs
