@@ -197,3 +197,56 @@ def test_our_cache_file_made_for_other_flags_is_refused(corpus, tmp_path):
     assert error.value.exit_status == 2
     other = DataConfig(**{**config.__dict__, "data_order": "epoch-exact"})  # another order: another key
     assert len(build_datasets(other, (50, 0, 0), eod_id=0)[0]) == 50
+
+
+def _mcore_blend_with_cache(ctx, a, b, cache):
+    """megatron-core's weighted blend built with a cache directory (its BlendedDataset asks torch.distributed
+    for the rank before it writes, so it runs in a one-rank gloo worker): the train split's samples."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    config = GPTDatasetConfig(random_seed=SEED, sequence_length=SEQ, tokenizer=_Tokenizer(), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=cache,
+                              blend=([a, b], [0.3, 0.7]), split="95,5,0")
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [150, 20, 0], lambda: True, config).build()[0]
+    return [_theirs(train, i) for i in range(len(train))]
+
+
+def test_megatron_blend_cache_directory_is_read_when_it_matches_and_refused_when_it_does_not(corpus, tmp_path):
+    from megatron_pp.core.local_world import WorkerPool
+
+    a, b = corpus
+    shared = str(tmp_path / "shared-cache")
+    pool = WorkerPool(1)
+    try:
+        theirs = pool.run(_mcore_blend_with_cache, a, b, shared, timeout=600)[0]
+    finally:
+        pool.close()
+    written = sorted(os.listdir(shared))
+    assert any("-BlendedDataset-train-dataset_index.npy" in n for n in written)
+    assert any("-GPTDataset-train-shuffle_index.npy" in n for n in written)
+    config = DataConfig(seq_length=SEQ, seed=SEED, data_path=["0.3", a, "0.7", b], split="95,5,0", cache_dir=shared)
+    train = build_datasets(config, (150, 20, 0), eod_id=0)[0]
+    # Megatron-LM's files are what the run reads: the blend's indices and each member's shuffle index.
+    assert "-BlendedDataset-train-dataset_index" in os.path.basename(train.dataset_index.filename)
+    assert "-BlendedDataset-train-dataset_sample_index" in os.path.basename(train.dataset_sample_index.filename)
+    for member in train.datasets:
+        assert "-GPTDataset-train-shuffle_index" in os.path.basename(member.shuffle_index.filename)
+    assert len(train) == len(theirs)
+    for i, want in enumerate(theirs):
+        np.testing.assert_array_equal(train.sample(i), want, err_msg=f"sample {i}")
+    # Our own files are there too (the comparison needs them), keyed by content.
+    assert len(os.listdir(shared)) > len(written)
+    # Another seed: the members' Megatron-LM files are not for it, ours are built beside them and read; the
+    # blend's own indices use no random numbers, so Megatron-LM's (equal to ours: compared) are still read.
+    other = build_datasets(DataConfig(**{**config.__dict__, "seed": SEED + 1}), (150, 20, 0), eod_id=0)[0]
+    for member in other.datasets:
+        assert "GPTDataset" not in os.path.basename(member.shuffle_index.filename)
+    assert "BlendedDataset" in os.path.basename(other.dataset_index.filename)
+    # A Megatron-LM blend file that claims these flags but holds another blend: one line naming it, exit 2.
+    path = train.dataset_index.filename
+    np.save(path, np.array(np.load(path))[::-1].copy())
+    with pytest.raises(CacheMismatch, match=r"dataset_index\.npy: Megatron-LM's cached dataset_index") as error:
+        build_datasets(config, (150, 20, 0), eod_id=0)
+    assert error.value.exit_status == 2 and "\n" not in str(error.value)
