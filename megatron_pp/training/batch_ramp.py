@@ -95,10 +95,9 @@ def check_rampup(args: argparse.Namespace, data_parallel_size: Optional[int]) ->
         return [f"{name}: START must be below --global-batch-size {gbs} and differ from it by a multiple of "
                 "INCREMENT"]
     errors = []
-    for flag_name in ("pipeline_schedule",):
-        if getattr(args, flag_name, None) == "2bw":
-            errors.append(f"{name} is not supported with --pipeline-schedule 2bw (its steps overlap without a "
-                          "flush, one microbatch count throughout)")
+    if getattr(args, "pipeline_schedule", None) == "2bw":
+        errors.append(f"{name} is not supported with --pipeline-schedule 2bw (its steps overlap without a "
+                      "flush, one microbatch count throughout)")
     if getattr(args, "data_parallel_sharding_strategy", "no_shard") == "optim_grads_params":
         errors.append(f"{name} is not supported with --data-parallel-sharding-strategy optim_grads_params")
     sizes = BatchSizes.from_args(args)
