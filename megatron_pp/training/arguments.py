@@ -86,8 +86,11 @@ def _dry_run_world(args: argparse.Namespace) -> Optional[int]:
 def _check_dry_run(args: argparse.Namespace) -> list[str]:
     """--dry-run N needs N >= 1; --dry-run-ranks is `all` or global ranks below N."""
     world, ranks = _dry_run_world(args), getattr(args, "dry_run_ranks", None)
+    jobs = getattr(args, "dry_run_jobs", None)
     if world is None:
         return [f"--dry-run-ranks needs --dry-run N"] if ranks is not None else []
+    if jobs is not None and jobs < 1:
+        return [f"--dry-run-jobs {jobs}: needs at least one worker"]
     if world < 1:
         return [f"--dry-run {world}: the world must have at least one rank"]
     if ranks is None or ranks == "all":

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import time
 import weakref
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_pp.core import comm
@@ -46,6 +49,9 @@ from megatron_pp.training.step_data import build_config_and_data
 from megatron_pp.training.weight_versions import uses_weight_versions
 
 
+_DEVICE_OF = torch.ops.prim.device.default
+
+
 class DryRunError(ValueError):
     """The job cannot be dry-run as asked (one line, exit 2)."""
 
@@ -58,54 +64,94 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class MemoryTracker(TorchDispatchMode):
-    """Live bytes of every storage an operator made inside the block, its peak and where the peak fell.
+class _LiveBytes:
+    """Live bytes of every storage an operator made, its peak and where the peak fell.
 
     `where` is set by the caller (the action running); `peak_at` keeps the `where` of the peak. A storage
-    is counted once however many views of it exist, and stops counting when it dies (a weak finalizer: PyTorch
-    keeps one Python object per live storage, so it dies exactly with the storage)."""
+    is counted once however many views of it exist, and stops counting when it dies (a weak reference with a
+    callback: PyTorch keeps one Python object per live storage, so it dies exactly with the storage)."""
 
-    def __init__(self, watch: Optional[CommWatch] = None) -> None:
-        super().__init__()
-        # Shown every operator before it runs: one dispatch layer for both (the watch as a mode of its own
-        # cost 9% of a LLaMA-3-70B rank's step time, benchmarks/dry_run_profile.py).
+    def _start(self, watch: Optional[CommWatch]) -> None:
+        # Shown every operator before it runs, so the communication watch needs no dispatch layer of its own.
         self.watch = watch
-        self.live: dict[int, tuple[int, int]] = {}  # storage_key -> (token, nbytes)
+        self.live: dict[int, tuple[weakref.ref, int]] = {}  # storage_key -> (weak reference, nbytes)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_at = ""
         self.where = "setup"
         self.on_peak = None
-        self._token = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.watch is not None:
-            self.watch.observe(func, args)
-        out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            self._note(t)
-        return out
 
     def _note(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        key = storage_key(storage)
+        key = storage._cdata  # core.storage.storage_key, inlined: this runs for every operator's outputs
         if key in self.live:
-            return  # the same live storage (a view, an in-place result): a dead one's finalizer removed it
-        self._token += 1
+            return  # the same live storage (a view, an in-place result): a dead one's callback removed it
         nbytes = storage.nbytes()
-        self.live[key] = (self._token, nbytes)
-        weakref.finalize(storage, self._freed, key, self._token)
+        self.live[key] = (weakref.ref(storage, lambda ref, key=key: self._freed(key, ref)), nbytes)
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes, self.peak_at = self.live_bytes, self.where
             if self.on_peak is not None:
                 self.on_peak()
 
-    def _freed(self, key: int, token: int) -> None:
+    def _freed(self, key: int, ref: weakref.ref) -> None:
         entry = self.live.get(key)
-        if entry is not None and entry[0] == token:
+        if entry is not None and entry[0] is ref:
             del self.live[key]
             self.live_bytes -= entry[1]
+
+    def _seen(self, out) -> None:
+        if isinstance(out, torch.Tensor):
+            self._note(out)
+        elif isinstance(out, (list, tuple)):
+            for t in _tensors(out):
+                self._note(t)
+
+
+class MemoryTracker(_LiveBytes, TorchDispatchMode):
+    """`_LiveBytes` as a dispatch mode of its own, for real tensors (the test that holds the dry run to a
+    real run of the same code uses it)."""
+
+    def __init__(self, watch: Optional[CommWatch] = None) -> None:
+        TorchDispatchMode.__init__(self)
+        self._start(watch)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.watch is not None:
+            self.watch.observe(func, args)
+        out = func(*args, **(kwargs or {}))
+        self._seen(out)
+        return out
+
+
+class TrackingFakeMode(_LiveBytes, FakeTensorMode):
+    """`FakeTensorMode` that is also the memory tracker and the communication watch: one Python dispatch
+    layer per operator instead of three (a second mode stacked on the fake one cost ~50 us per operator, as
+    much as a cached fake dispatch itself; benchmarks/dry_run_profile.py). Only the operators the job calls
+    are counted, not those the fake mode runs inside itself (decompositions), as a mode stacked above it saw."""
+
+    def __init__(self, watch: Optional[CommWatch] = None) -> None:
+        # Host tensors the job keeps for real (RNG states, cloned for recomputation) may meet fake ones.
+        FakeTensorMode.__init__(self, allow_non_fake_inputs=True)
+        self._start(watch)
+        self._inside = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_OF and isinstance(args[0], FakeTensor):
+            # `tensor.device` (about half of all operators: autograd asks it of every gradient), answered as
+            # the fake mode's own handler answers it, without its dispatch machinery.
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if self._inside:  # an operator the fake mode runs for one of the job's
+            return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs or {})
+        if self.watch is not None:
+            self.watch.observe(func, args)
+        self._inside = True
+        try:
+            out = FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs or {})
+        finally:
+            self._inside = False
+        self._seen(out)
+        return out
 
 
 def _bytes_of(tensors) -> int:
@@ -165,7 +211,7 @@ def chosen_ranks(args: argparse.Namespace) -> list[int]:
     return sorted({int(r) for r in args.dry_run_ranks.split(",")})
 
 
-def _label_actions(executor, tracker: MemoryTracker, step: list[int]) -> None:
+def _label_actions(executor, tracker: _LiveBytes, step: list[int]) -> None:
     """Make the tracker name the running action ("step 2, #17 B3.0") for the peak's position."""
     counter = [0]
     for op, handler in list(executor.handlers.items()):
@@ -196,20 +242,18 @@ def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: i
     """The job's code on global rank `rank` of a world of `args.dry_run`, on fake tensors."""
     world, started = args.dry_run, time.process_time()
     with fake_world(rank, world):
-        # Host tensors the job keeps for real (RNG states, cloned for recomputation) may meet fake ones.
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
         watch = CommWatch(device=device if device.type == "meta" else None)
-        tracker = MemoryTracker(watch)
-        with mode, tracker:
+        mode = TrackingFakeMode(watch)
+        with mode:
             state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                         device=device)
-            report = _run(args, state, mode, tracker, steps)
+            report = _run(args, state, mode, mode, steps)
         report.comm = watch.events
         report.seconds = time.process_time() - started
         return report
 
 
-def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: MemoryTracker,
+def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _LiveBytes,
          steps: int) -> RankReport:
     """Build and run the rank's job inside the tracker (and, for the dry run, the fake mode). With `mode`
     None the same code runs on real tensors: the test that holds the dry run to a real run uses that."""
@@ -276,12 +320,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join([fmt(head) + "   (MiB)"] + [fmt(b) for b in body])
 
 
+def default_jobs(ranks: int) -> int:
+    """`--dry-run-jobs` left out: one worker per core this process may use, at most one per rank."""
+    return max(1, min(len(os.sched_getaffinity(0)), ranks))
+
+
+def _rank_in_worker(args: argparse.Namespace, rank: int) -> RankReport:
+    return run_rank(args, rank, torch.device(args.dry_run_device))
+
+
+def run_ranks(args: argparse.Namespace, ranks: list[int], jobs: Optional[int] = None,
+              on_report: Callable[[RankReport], None] = lambda report: None) -> list[RankReport]:
+    """Dry-run `ranks` in `jobs` worker processes (default `default_jobs`; 1: in this process, one after
+    another), reports in the order of `ranks`. The ranks are independent (each gets a fresh fake world), so
+    workers divide the wall clock; every worker returns its ranks' recorded calls, and the caller matches them
+    across all ranks (`dry_run_agree`). `on_report` sees each report as it arrives (a long run that is stopped
+    keeps what it measured). Workers are spawned, not forked: the parent's torch state is not theirs."""
+    jobs = default_jobs(len(ranks)) if jobs is None else jobs
+    if jobs <= 1 or len(ranks) <= 1:
+        reports = []
+        for rank in ranks:
+            reports.append(run_rank(args, rank, torch.device(args.dry_run_device)))
+            on_report(reports[-1])
+        return reports
+    done: dict[int, RankReport] = {}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_rank_in_worker, args, rank): rank for rank in ranks}
+        for future in as_completed(futures):
+            done[futures[future]] = future.result()
+            on_report(done[futures[future]])
+    return [done[rank] for rank in ranks]
+
+
 def dry_run(args: argparse.Namespace) -> tuple[list[RankReport], list[str]]:
-    """Run the chosen ranks; the reports and the cross-rank disagreements."""
+    """Run the chosen ranks (`--dry-run-jobs` worker processes); the reports and the cross-rank
+    disagreements over every simulated rank."""
     from megatron_pp.training.dry_run_agree import disagreements
 
-    device = torch.device(args.dry_run_device)
-    reports = [run_rank(args, rank, device) for rank in chosen_ranks(args)]
+    reports = run_ranks(args, chosen_ranks(args), getattr(args, "dry_run_jobs", None))
     return reports, disagreements({r.rank: r.comm for r in reports})
 
 

@@ -39,12 +39,26 @@ def test_dry_run_equals_the_real_run_to_the_byte():
 
 
 def test_pipeline_ranks_agree_and_last_rank_peaks_lower_under_1f1b():
-    args = parse_args(TINY + ["--pipeline-model-parallel-size", "2", "--dry-run", "2", "--dry-run-ranks", "all"])
+    args = parse_args(TINY + ["--pipeline-model-parallel-size", "2", "--dry-run", "2", "--dry-run-ranks", "all",
+                              "--dry-run-jobs", "1"])
     reports, problems = dry_run.dry_run(args)
     assert problems == []
     assert [r.pipeline_rank for r in reports] == [0, 1]
     assert reports[0].stash_peak_bytes > reports[1].stash_peak_bytes  # 2 stashes in flight against 1
     assert sum(e.op == "send" for e in reports[0].comm) == sum(e.op == "recv_" for e in reports[1].comm) > 0
+
+
+def test_worker_processes_give_what_one_process_gives():
+    """--dry-run-jobs 2: each rank in a spawned worker; the figures and the recorded calls are those of the
+    same ranks run one after another here, and the parent still matches every rank's calls."""
+    argv = TINY + ["--pipeline-model-parallel-size", "2", "--dry-run", "4", "--dry-run-ranks", "all"]
+    alone, problems_alone = dry_run.dry_run(parse_args(argv + ["--dry-run-jobs", "1"]))
+    workers, problems = dry_run.dry_run(parse_args(argv + ["--dry-run-jobs", "2"]))
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("seconds", "step_seconds")}  # noqa: E731
+    assert [drop(r.row()) for r in workers] == [drop(r.row()) for r in alone]
+    assert [r.comm for r in workers] == [r.comm for r in alone]
+    assert problems == problems_alone == []
+    assert sorted({r.data_rank for r in workers}) == [0, 1]  # dp 2: the data-parallel all-reduce was matched too
 
 
 def test_a_cpu_tensor_in_a_collective_of_a_meta_job_is_named(monkeypatch):
@@ -78,6 +92,7 @@ def test_default_ranks_are_one_per_pipeline_rank():
     (["--pipeline-model-parallel-size", "2", "--dry-run", "3"], "world size 3 is not divisible"),
     (["--dry-run", "2", "--dry-run-ranks", "5"], "--dry-run-ranks: rank 5 is not in a world of 2"),
     (["--dry-run-ranks", "0"], "--dry-run-ranks needs --dry-run N"),
+    (["--dry-run", "2", "--dry-run-jobs", "0"], "--dry-run-jobs 0: needs at least one worker"),
 ])
 def test_bad_input_is_one_line_and_exit_2(extra, expected, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -100,7 +115,8 @@ def test_the_entry_point_takes_the_dry_run(tmp_path):
 
 def _stash_peaks(schedule: str, *extra: str) -> list[int]:
     args = parse_args(TINY + ["--micro-batch-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                              "--pipeline-schedule", schedule, *extra, "--dry-run", "2", "--dry-run-ranks", "all"])
+                              "--pipeline-schedule", schedule, *extra, "--dry-run", "2", "--dry-run-ranks", "all",
+                              "--dry-run-jobs", "1"])
     reports, problems = dry_run.dry_run(args)
     assert problems == []
     return [r.stash_peak_bytes for r in reports]
