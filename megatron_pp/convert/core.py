@@ -22,13 +22,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_pp.core.tensor_parallel import param_is_partitioned
+from megatron_pp.core.tensor_parallel import param_is_partitioned, shard_tensor
 from megatron_pp.models.config import TransformerConfig, flag
 from megatron_pp.models.hf import VOCAB_PARAMETERS, resize_vocab_rows
 from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.models.transformer import StageModel
 from megatron_pp.schedules.generators import looped_placement
-from megatron_pp.training.checkpointing import CheckpointError, fsync_dir
+from megatron_pp.training.checkpointing import TRACKER_FILE, CheckpointError, fsync_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -136,6 +136,26 @@ def full_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ...], voc
         raise CheckpointError(f"{name}: the source holds shape {list(tensor.shape)}, the model config implies "
                               f"{list(shape)}")
     return tensor
+
+
+def tp_shard(reader: CheckpointReader, config: TransformerConfig, name: str, param: ParameterSpec, rank: int,
+             tp: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """Parameter `name` as TP rank `rank` of `tp` holds it: the full tensor with its vocabulary rows padded
+    for `tp`, split along its partition dimension (strided where the parameter is), cast to `dtype` and
+    compact. What the megatron_pp and Megatron-LM `torch` writers save per rank."""
+    value = full_tensor(reader, name, padded_shape(name, param, config.padded_vocab_size(tp)), config.vocab_size)
+    if param.partitioned:
+        value = shard_tensor(value, param.partition_dim, param.partition_stride, rank, tp)
+    return compact(value, dtype)
+
+
+def write_tracker(staging: str, iteration: int, tokenizer_dir: Optional[str], tokenizer_subdir: str) -> None:
+    """Beside the iteration directories: the tracker file naming `iteration`, and the tokenizer files (when
+    given) in `tokenizer_subdir`, as megatron_pp and both Megatron-LM formats keep them."""
+    with open(os.path.join(staging, TRACKER_FILE), "w") as f:
+        f.write(f"{iteration}\n")
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, os.path.join(staging, tokenizer_subdir))
 
 
 def has_tokenizer(directory: str) -> bool:

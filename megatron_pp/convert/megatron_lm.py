@@ -23,23 +23,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megatron_pp.core.tensor_parallel import shard_tensor
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.hf import rotary_interleaved_to_half
 from megatron_pp.models.layout import StageSpec
 from megatron_pp.training.checkpointing import TRACKER_FILE, CheckpointError, iteration_dir
+from megatron_pp.convert.export_args import megatron_lm_args
 from megatron_pp.convert.core import (
     CheckpointReader,
     TargetLayout,
-    compact,
-    copy_tokenizer,
-    full_tensor,
     join_shards,
     layer_of,
     model_parameters,
-    padded_shape,
     stage_parameters,
     staged_output,
+    tp_shard,
+    write_tracker,
 )
 
 MEGATRON_LM_FILE = "model_optim_rng.pt"
@@ -414,117 +412,16 @@ def mcore_name(name: str, transformer_impl: str, local_layer: Optional[int] = No
     return name
 
 
-def _tokenizer_args(config: TransformerConfig, tokenizer_model: Optional[str]) -> dict[str, Any]:
-    if tokenizer_model is not None:
-        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_model}
-    # Without tokenizer files there is nothing to point at; Megatron-LM's loaders still need a type.
-    return {"tokenizer_type": "NullTokenizer", "tokenizer_model": None}
-
-
-def megatron_lm_args(
-    config: TransformerConfig,
-    layout: TargetLayout,
-    *,
-    iteration: int,
-    consumed_samples: int,
-    ckpt_format: str,
-    transformer_impl: str,
-    tokenizer_model: Optional[str],
-    dtype: torch.dtype,
-) -> argparse.Namespace:
-    """The `args` a Megatron-LM run of this model and layout would have saved, as far as loading reads them.
-
-    Covers what `load_args_from_checkpoint` copies (model shape, position embedding, biases, norms,
-    parallel sizes, tokenizer, padded vocabulary), what `check_checkpoint_args` compares, what
-    `tools/checkpoint`'s loader requires (`fp16`, `bf16`, `params_dtype`, `tokenizer_type`, ...) and what
-    `config_from_megatron_args` reads back. `no_save_optim` / `no_save_rng` tell Megatron-LM's torch_dist
-    loader that the checkpoint has neither.
-    """
-    chunks = layout.num_chunks(config.num_layers)
-    rope = config.position_embedding_type == "rope"
-    return argparse.Namespace(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_size,
-        num_attention_heads=config.num_attention_heads,
-        group_query_attention=config.query_groups != config.num_attention_heads,
-        num_query_groups=config.query_groups,
-        kv_channels=config.head_dim,
-        seq_length=config.seq_length,
-        max_position_embeddings=config.num_positions,
-        position_embedding_type=config.position_embedding_type,
-        add_position_embedding=not rope,
-        use_rotary_position_embeddings=rope,
-        rotary_base=int(config.rotary_base) if float(config.rotary_base).is_integer() else config.rotary_base,
-        rotary_percent=config.rotary_percent,
-        rotary_interleaved=False,
-        rotary_seq_len_interpolation_factor=None,
-        normalization=config.normalization,
-        norm_epsilon=config.norm_epsilon,
-        apply_layernorm_1p=config.apply_layernorm_1p,
-        apply_residual_connection_post_layernorm=False,
-        swiglu=config.activation == "swiglu",
-        # Our GELU is the tanh approximation, which Megatron-LM calls openai_gelu (its default is exact erf).
-        openai_gelu=config.activation == "gelu",
-        squared_relu=False,
-        add_bias_linear=config.add_bias_linear,
-        add_qkv_bias=config.add_bias_linear,
-        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
-        qk_layernorm=False,
-        multi_latent_attention=False,
-        num_experts=None,
-        apply_query_key_layer_scaling=False,
-        attention_dropout=config.attention_dropout,
-        hidden_dropout=config.hidden_dropout,
-        init_method_std=config.init_method_std,
-        vocab_size=config.vocab_size,
-        padded_vocab_size=config.padded_vocab_size(layout.tp),
-        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        **_tokenizer_args(config, tokenizer_model),
-        vocab_file=None,
-        merge_file=None,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
-        num_layers_per_virtual_pipeline_stage=layout.layers_per_virtual_stage,
-        decoder_first_pipeline_num_layers=layout.first_stage_layers,
-        decoder_last_pipeline_num_layers=layout.last_stage_layers,
-        account_for_embedding_in_pipeline_split=layout.account_for_embedding,
-        account_for_loss_in_pipeline_split=layout.account_for_loss,
-        expert_model_parallel_size=1,
-        context_parallel_size=1,
-        sequence_parallel=False,
-        world_size=layout.tp * layout.pp,
-        data_parallel_size=1,
-        params_dtype=dtype,
-        fp16=dtype == torch.float16,
-        bf16=dtype == torch.bfloat16,
-        transformer_impl=transformer_impl,
-        use_legacy_models=False,
-        ckpt_format=ckpt_format,
-        iteration=iteration,
-        consumed_train_samples=consumed_samples,
-        skipped_train_samples=0,
-        consumed_valid_samples=0,
-        no_save_optim=True,
-        no_save_rng=True,
-    )
-
-
 def _stage_state(reader: CheckpointReader, config: TransformerConfig, spec: StageSpec, rank: int, tp: int,
                  transformer_impl: str, dtype: Optional[torch.dtype]) -> dict[str, Any]:
     """One model chunk's state dict for TP rank `rank`, as Megatron-Core's GPTModel holds it."""
-    padded = config.padded_vocab_size(tp)
     state: dict[str, Any] = {}
     for name, param in stage_parameters(config, spec).items():
-        value = full_tensor(reader, name, padded_shape(name, param, padded), config.vocab_size)
-        if param.partitioned:
-            value = shard_tensor(value, param.partition_dim, param.partition_stride, rank, tp)
         layer = layer_of(name)
         target = mcore_name(name, transformer_impl, None if layer is None else layer - spec.layer_start)
         if name == "embedding.word_embeddings.weight" and not spec.has_embedding:
             target = "output_layer.weight"  # the head stage's copy of a tied embedding
-        state[target] = compact(value, dtype)
+        state[target] = tp_shard(reader, config, name, param, rank, tp, dtype)
     for local in range(len(spec.layers)):
         for module in _EXTRA_STATE_MODULES[transformer_impl]:
             state[f"decoder.layers.{local}.{module}._extra_state"] = None
@@ -538,12 +435,8 @@ def prepare_export(staging: str, save_dir: str, reader: CheckpointReader, config
                    dtype: torch.dtype) -> argparse.Namespace:
     """What both Megatron-LM formats put beside the weights: the tracker file naming the iteration and the
     tokenizer files (in `tokenizer/`, which `args.tokenizer_model` names by its final path); returns `args`."""
-    with open(os.path.join(staging, TRACKER_FILE), "w") as f:
-        f.write(f"{reader.iteration}\n")
-    tokenizer_model = None
-    if tokenizer_dir is not None:
-        copy_tokenizer(tokenizer_dir, os.path.join(staging, TOKENIZER_DIR))
-        tokenizer_model = os.path.join(os.path.abspath(save_dir), TOKENIZER_DIR)
+    write_tracker(staging, reader.iteration, tokenizer_dir, TOKENIZER_DIR)
+    tokenizer_model = None if tokenizer_dir is None else os.path.join(os.path.abspath(save_dir), TOKENIZER_DIR)
     return megatron_lm_args(config, layout, iteration=reader.iteration, consumed_samples=reader.consumed_samples,
                             ckpt_format=ckpt_format, transformer_impl=transformer_impl,
                             tokenizer_model=tokenizer_model, dtype=dtype)

@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from megatron_pp.core.tensor_parallel import shard_tensor
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.layout import StageSpec
 from megatron_pp.training.checkpointing import (
@@ -35,15 +34,13 @@ from megatron_pp.training.checkpointing import (
 from megatron_pp.convert.core import (
     CheckpointReader,
     TargetLayout,
-    compact,
-    copy_tokenizer,
-    full_tensor,
     join_shards,
     layer_of,
     model_parameters,
-    padded_shape,
     stage_parameters,
     staged_output,
+    tp_shard,
+    write_tracker,
 )
 
 TOKENIZER_DIR = "tokenizer"
@@ -135,17 +132,13 @@ def write_megatron_pp(
     with staged_output(save_dir) as staging:
         directory = iteration_dir(staging, reader.iteration)
         os.makedirs(directory)
-        padded = config.padded_vocab_size(layout.tp)
         total = sum(len(params) for params in per_stage) * layout.tp
         with tqdm(total=total, desc="megatron_pp shards", unit="tensor", disable=not progress) as bar:
             for spec, params in zip(stages, per_stage):
                 for rank in range(layout.tp):
                     shard = {}
                     for name, param in params.items():
-                        value = full_tensor(reader, name, padded_shape(name, param, padded), config.vocab_size)
-                        if param.partitioned:
-                            value = shard_tensor(value, param.partition_dim, param.partition_stride, rank, layout.tp)
-                        shard[name] = compact(value, dtype)
+                        shard[name] = tp_shard(reader, config, name, param, rank, layout.tp, dtype)
                         bar.update()
                     torch.save({"model": shard}, os.path.join(directory, model_file(spec.stage, rank)))
         saved = dataclasses.replace(config, params_dtype=dtype or config.params_dtype)
@@ -164,10 +157,7 @@ def write_megatron_pp(
             "optimizer": {"saved": False, "sharded_by_dp": False},
             "converted_from": source or {},
         })
-        with open(os.path.join(staging, TRACKER_FILE), "w") as f:
-            f.write(f"{reader.iteration}\n")
-        if tokenizer_dir is not None:
-            copy_tokenizer(tokenizer_dir, os.path.join(staging, TOKENIZER_DIR))
+        write_tracker(staging, reader.iteration, tokenizer_dir, TOKENIZER_DIR)
         if reader.hf_config is not None:
             write_json(os.path.join(staging, HF_CONFIG_FILE), reader.hf_config)
     return stages
