@@ -15,7 +15,9 @@ launch, the torchrun agent under torchrun):
 - Each rank watches one peer, the next rank on a ring (rank r watches r + 1 mod world), so the store
   sees four small requests per rank per interval whatever the world size. A counter that has not moved for
   `timeout` seconds (measured on the watcher's own clock; clocks of different hosts are never compared)
-  marks its rank dead: the watcher records `failed = "<rank>"` with a compare-and-set (the
+  and through as many of the watcher's own checks as that timeout holds intervals marks its rank dead (a
+  stall of the whole host, a paused VM or a swap storm, stops the watcher too: its clock jumps but it has
+  checked only once, so it waits for the peer's next beat instead of taking the stall for a death): the watcher records `failed = "<rank>"` with a compare-and-set (the
   first verdict wins) and exits.
 - Every watchdog also reads the `failed` key each interval; when it is set, it prints one line
   naming that rank and ends its process with status 1 (`os._exit`: the main thread may be blocked
@@ -38,6 +40,7 @@ stop at once, without a line of their own: the job says what went wrong once.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -144,6 +147,7 @@ class Watchdog:
     def _loop(self) -> None:
         last_value, last_change = -1, time.monotonic()
         store_ok = time.monotonic()
+        unchanged, needed = 0, max(1, math.ceil(self.timeout_s / self.interval_s - 1e-9))
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             try:
@@ -152,7 +156,7 @@ class Watchdog:
                 if failed is not None:
                     self._die(failed)
                 if self.store.check([self._key("done", self.peer)]):
-                    last_change = now  # the peer finished: nothing to watch
+                    last_change, unchanged = now, 0  # the peer finished: nothing to watch
                     continue
                 value = self.store.add(self._key("heartbeat", self.peer), 0)
                 store_ok = now
@@ -162,8 +166,10 @@ class Watchdog:
                 self._store_failed(now - store_ok)
                 continue
             if value != last_value:
-                last_value, last_change = value, now
-            elif now - last_change > self.timeout_s:
+                last_value, last_change, unchanged = value, now, 0
+                continue
+            unchanged += 1  # the peer had the time of one more of this watcher's intervals to beat, and did not
+            if now - last_change > self.timeout_s and unchanged >= needed:
                 self._blame(self.peer)
 
     def _store_failed(self, silent_s: float) -> None:
