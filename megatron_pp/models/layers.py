@@ -72,6 +72,13 @@ class Embedding(nn.Module):
         return hidden
 
 
+def _linear_options(config: TransformerConfig, tp_group: Optional[ProcessGroup], sequence_parallel: bool,
+                    device: Optional[torch.device]) -> dict:
+    """What every parallel linear layer of a transformer layer (attention's and the MLP's) is built with."""
+    return dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+                params_dtype=config.params_dtype, device=device)
+
+
 class SelfAttention(nn.Module):
     """Causal self-attention with grouped query heads.
 
@@ -95,8 +102,7 @@ class SelfAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.backend = config.attention_backend
         self.rng_tracker = rng_tracker
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=config.params_dtype, device=device)
+        common = _linear_options(config, tp_group, sequence_parallel, device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, config.qkv_size, **common)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, input_is_parallel=True, **common
@@ -154,8 +160,7 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=config.params_dtype, device=device)
+        common = _linear_options(config, tp_group, sequence_parallel, device)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, config.ffn_size * (2 if self.swiglu else 1),
             partition_stride=2 if self.swiglu else 1, **common,
