@@ -368,10 +368,20 @@ def _emulate_rows(reports: tuple) -> list[dict]:
     return [row for report in reports for row in report["rows"]]
 
 
+def _excess(row: dict) -> str:
+    """A row's step beyond the costs on its measured critical path, ms: 'overrun · gap · hop · wait · lead'."""
+    path = row.get("critical_path_ms")
+    if path is None:
+        return "–"
+    return " · ".join(f"{path[k]:.0f}" for k in ("overrun", "gap", "hop", "wait", "lead"))
+
+
 def emulate_table(*reports: dict) -> str:
     """tools/trace_vs_sim.py --emulate: per (schedule, p, m), for each cost set the measured step against the
     simulated makespan (relative error) and the measured bubble against the simulated one, e.g. '0.698 / 0.660
-    (+5.8%)' and '0.300 / 0.273'; the model's share of busy time and the load average over the row."""
+    (+5.8%)' and '0.300 / 0.273'; with equal costs, the step beyond the costs on its critical path (`_excess`);
+    the receives posted ahead per link (most), the compute actions whose own work exceeded their cost (all
+    measured steps of both cost sets), the model's share of busy time and the load average over the row."""
     rows: dict = {}
     for row in _emulate_rows(reports):
         rows.setdefault((row["pp"], row["microbatches"], row["schedule"]), {})[row["costs"]] = row
@@ -385,11 +395,15 @@ def emulate_table(*reports: dict) -> str:
                 f"{num(r['measured_bubble'], 3)} / {num(r['simulated_bubble'], 3)}"]
         share = [r["model_share"] for r in by_costs.values()]
         load = [x for r in by_costs.values() for x in r["load_average"]]
-        cells += [pct(max(share), 0), f"{min(load):.0f}–{max(load):.0f}"]
+        over = [n for r in by_costs.values() for n in r.get("actions_over_cost", [])]
+        cells += ["–" if "equal" not in by_costs else _excess(by_costs["equal"]),
+                  str(max(r.get("receives_ahead_max", 1) for r in by_costs.values())),
+                  str(sum(over)) if over else "–", pct(max(share), 0), f"{min(load):.0f}–{max(load):.0f}"]
         out.append(cells)
     return table(["schedule", "p", "m", "equal costs: step s, measured / simulated", "bubble, measured / simulated",
-                  "split costs: step s, measured / simulated", "bubble, measured / simulated", "model share",
-                  "load average"], out)
+                  "split costs: step s, measured / simulated", "bubble, measured / simulated",
+                  "equal costs: ms beyond the costs on the critical path, overrun · gap · hop · wait · lead", "receives ahead",
+                  "actions over cost", "model share", "load average"], out)
 
 
 def emulate_targets(*reports: dict) -> str:
@@ -423,6 +437,7 @@ import doc_renderers_glance as glance  # noqa: E402
 import doc_renderers_bench as bench  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
+FULL = "docs/results/reproduce_full.json"
 
 RENDERERS: dict = {
     # name: (its JSON, the function that renders it)
@@ -480,6 +495,44 @@ RENDERERS: dict = {
                                 glance.glance_figure("pipeoffload", "absolute activation bytes (1F1B-I, GIS, GIS-H, 1F1B):")),
     "pipeoffload-mfu-error": ("docs/results/reproduce_full.json", glance.glance_figure("pipeoffload", "MFU (uncalibrated):")),
     "pipeoffload-pp-over-tp8": ("docs/results/reproduce_full.json", glance.glance_figure("pipeoffload", "PP over TP8:")),
+    # docs/reproduction.md, "Where the model is wrong, and why": the rows each paragraph discusses.
+    "repro-po-bytes-per-h": (FULL, glance.rows_text("pipeoffload", r"^10\.5B seq 4k 1f1b-i: saved bytes",
+                                                    "{published}; ours {predicted}")),
+    "repro-po-parameters": (FULL, glance.rows_text("pipeoffload", r"B parameters \(Table 2",
+                                                   "{published}: {predicted}", "; ")),
+    "repro-po-llama-error": (FULL, glance.rows_text("pipeoffload", r"^10\.5B seq 4k 1f1b-i activation if", "{error}")),
+    "repro-po-1f1bi-error": (FULL, glance.rows_text("pipeoffload", r"^10\.5B seq 4k 1f1b-i activation$", "{error}")),
+    "repro-po-ratios": (FULL, glance.rows_text("pipeoffload", r"^10\.5B seq 4k (?P<tag>gis|gis-h|1f1b) activation / 1F1B-I$",
+                                               "{tag} {predicted} vs {published}")),
+    "repro-po-poh-ratio": (FULL, glance.rows_text("pipeoffload", r"^10\.5B seq 4k po-h activation / 1F1B-I$",
+                                                  "{predicted} vs {published}")),
+    "pipeoffload-k-error": (FULL, glance.glance_figure("pipeoffload", "k:")),
+    "repro-po-k-10b": (FULL, glance.rows_text("pipeoffload", r"^10\.5B seq 4k: k,", "{predicted} against {published}")),
+    "repro-po-k-43b": (FULL, glance.rows_text("pipeoffload", r"^42\.9B seq 4k: k,", "{predicted}")),
+    "repro-po-43b-ratios": (FULL, glance.rows_text("pipeoffload", r"^42\.9B seq 4k (?P<tag>po-h|po-f) activation / 1F1B-I$",
+                                                   "{tag} {predicted} vs {published}")),
+    "repro-po-fig10": (FULL, glance.rows_text("pipeoffload", r"^5\.8B seq 8k", "{predicted} (the paper: {published})")),
+    "repro-po-mfu-short": (FULL, glance.rows_errors("pipeoffload", r"seq (4|8)k .*MFU$")),
+    "repro-po-mfu-long": (FULL, glance.rows_errors("pipeoffload", r"seq (16|32)k .*MFU$")),
+    "repro-po-gis-mfu": (FULL, glance.rows_errors("pipeoffload", r" (gis|1f1b-i) MFU$")),
+    "repro-reeval-mfu": (FULL, glance.rows_text("bpipe-reeval", r"^GPT-3 96B, unfused attention: single-layer MFU")),
+    "repro-reeval-configured": (FULL, glance.glance_figure("bpipe-reeval", "as configured:")),
+    "repro-bpipe-configured": (FULL, glance.glance_figure("bpipe", "`bpipe` as configured:")),
+    "repro-bpipe-best": (FULL, glance.glance_figure("bpipe", "best against best (b ≤ 4, any recompute):")),
+    "repro-bpipe-node": (FULL, glance.glance_figure("bpipe", "without selective recompute and with pairs on one node:")),
+    "repro-2bw-flush": (FULL, glance.glance_figure("2bw", "over Flush:")),
+    "repro-2bw-gpipe": (FULL, glance.glance_figure("2bw", "over GPipe:")),
+    "repro-2bw-memory": (FULL, glance.rows_text("2bw", r"worst-worker memory, (?P<tag>pipedream-flush|2bw)",
+                                                "{error} for {tag}", " and ")),
+    "repro-bf-gains": (FULL, glance.rows_text("breadth-first", r"gain over our (?P<tag>\S+) at the same layout",
+                                              "{predicted} over our {tag}", "; ")),
+    "repro-layered-time": (FULL, glance.rows_text("layered", r"^Shortest training time", "{predicted}, {error}")),
+    "repro-layered-depth-first": (FULL, glance.rows_text("layered", r"^Same, against the looping placement")),
+    "repro-layered-larger": (FULL, glance.rows_text("layered", r"^Gain over 1F1B at larger batches")),
+    "repro-layered-bytes": (FULL, glance.rows_text("layered", r"^Data movement")),
+    "repro-layered-link": (FULL, glance.rows_text("layered", r"^Network: slowest")),
+    "repro-layered-slow": (FULL, glance.rows_text("layered", r"^Network: step time")),
+    "repro-layered-memory": (FULL, glance.rows_text("layered", r"^Memory with ZeRO")),
     "bpipe-estimate-48gpu": (bp.VARIANTS_48, bp.estimate_48gpu_table),
     "bpipe-estimate-one-node": (tuple(bp.ONE_NODE), bp.estimate_one_node_table),
     "bpipe-estimate-reserve": (bp.RESERVE, bp.reserve_table),

@@ -123,3 +123,29 @@ def glance_figure(paper: str, label: str):
         return group_text(_report(data, paper), Group("", group.claim, group.how, group.figure)).strip()
     render.__doc__ = f"The '{label}' figures of {paper} in docs/results/reproduce_full.json, without the label."
     return render
+
+
+def rows_text(paper: str, claim: str, form: str = "{predicted}", sep: str = ", "):
+    """A renderer quoting the rows of `paper` whose claim matches `claim` (searched; at least one), each as
+    `form` with {predicted}, {published}, {error} (the recorded error as a signed percentage) and {tag}
+    (the claim's `tag` group), joined by `sep`: the figures a paragraph of docs/reproduction.md discusses."""
+    group = Group("", claim)
+
+    def render(data: dict) -> str:
+        rows = _rows(_report(data, paper), group)
+        return sep.join(form.format(predicted=r["predicted"], published=r["published"],
+                                    error="—" if r["error"] is None else pct(r["error"], 0, sign=True),
+                                    tag=re.search(claim, r["claim"]).groupdict().get("tag"))
+                        for r in rows)
+    render.__doc__ = f"The {paper} rows matching {claim!r} of docs/results/reproduce_full.json, as {form!r}."
+    return render
+
+
+def rows_errors(paper: str, claim: str):
+    """A renderer of the range of the recorded errors of `paper`'s rows matching `claim`: '+3% to +14%'."""
+    group = Group("", claim, "errors")
+
+    def render(data: dict) -> str:
+        return group_text(_report(data, paper), group).strip()
+    render.__doc__ = f"The error range of the {paper} rows matching {claim!r} in docs/results/reproduce_full.json."
+    return render
