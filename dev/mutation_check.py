@@ -216,8 +216,8 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/training/weight_versions.py": ["tests/training/test_2bw.py", "tests/schedules/test_2bw.py"],
     "megatron_pp/training/batch_ramp.py": ["tests/training/test_batch_ramp.py"],
     # A dead rank, a dead store host, a rank stopped by another's reported error (whichever rank fails).
-    "megatron_pp/training/watchdog.py": ["tests/reliability/test_failing_rank.py", "tests/reliability/test_faults.py",
-                                         "tests/training/test_train.py"],
+    "megatron_pp/training/watchdog.py": ["tests/reliability/test_watchdog.py", "tests/reliability/test_failing_rank.py",
+                                         "tests/reliability/test_faults.py", "tests/training/test_train.py"],
 }
 
 _FLIP = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
