@@ -226,13 +226,48 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def against_dry_runs(paths: list[str], out: Optional[str], argv: Optional[list[str]]) -> int:
+    """Per pipeline rank, the planner's peak (foreach AdamW, as the dry run runs) beside the dry run's."""
+    from megatron_pp.planning.verify import compare_dry_run
+
+    by_command: dict[str, list[dict]] = {}
+    try:
+        for path in paths:
+            with open(path) as f:
+                for result in json.load(f)["results"]:
+                    words = result["command"].split()  # the same job whichever ranks a run held
+                    if "--dry-run-ranks" in words:
+                        del words[words.index("--dry-run-ranks"):words.index("--dry-run-ranks") + 2]
+                    by_command.setdefault(" ".join(words), []).extend(result["ranks"])
+        compared = [compare_dry_run(command, int(command.split("--dry-run ")[1].split()[0]), ranks)
+                    for command, ranks in by_command.items()]
+    except (OSError, KeyError, IndexError, ValueError) as err:
+        print(f"error: --dry-run-json: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    for result in compared:
+        print(f"{result['configuration']} ({result['optimizer']} AdamW)")
+        for r in result["ranks"]:
+            print(f"  pp rank {r['pipeline_rank']}: dry run {r['measured_peak_bytes'] / 2**30:.2f} GiB "
+                  f"({r['measured_phase']}), planner {r['predicted_peak_bytes'] / 2**30:.2f} GiB "
+                  f"({r['predicted_phase']}), planner / dry run {r['predicted_over_measured']:.4f}")
+    if out:
+        write_json(out, {"command": "python tools/validate_planner.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                         "sources": paths, "results": compared})
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8, help="training iterations per timed configuration")
     parser.add_argument("--profile-repeats", type=int, default=5, help="bench_layer rounds per profile")
     parser.add_argument("--profile-out", default="docs/results/planner_validation_profile.json")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--dry-run-json", nargs="+", metavar="FILE",
+                        help="instead of running: the planner beside committed dry runs (tools/dry_run_table.py "
+                             "JSON; the ranks of every file with the same command are merged)")
     args = parser.parse_args(argv)
+    if args.dry_run_json:
+        return against_dry_runs(args.dry_run_json, args.json, argv)
     if args.iterations < 4 or args.profile_repeats < 1:
         print("error: --iterations must be >= 4 and --profile-repeats >= 1", file=sys.stderr)
         return 2

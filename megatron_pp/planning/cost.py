@@ -47,6 +47,10 @@ without `--overlap-grad-reduce`). The step time is the latest rank's end of all 
                                       output gradients of its linear layers (and, under full recompute,
                                       their rebuilt inputs), as the executor's store counts them
     recomputation transient           one layer rebuilt during the backward (`transient_activation_bytes`)
+    optimizer step                    a rank's peak is max(all of the above, state + what the step allocates:
+                                      `memory.optimizer_step_transient_bytes`, foreach AdamW's sqrt(v) of the
+                                      larger parameter group or the distributed optimizer's gathered buckets);
+                                      a schedule whose lists step while stashes are held (2BW) adds the two
 
 A configuration fits when its worst rank is within the GPU memory minus a reserve (10%, as the BPipe
 estimator assumes, for the CUDA context, NCCL buffers and fragmentation).
@@ -71,15 +75,15 @@ from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.planning.efficiency import (EfficiencyModel, HardwareProfile, LayerShape, LayerTimes, MeasuredCurve,
                                              Roofline, head_times, head_weight_grad_s)
 from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction, ScheduleUnavailable
-from megatron_pp.planning.memory import (deferred_weight_grad_bytes, stage_parameters_per_gpu,
+from megatron_pp.planning.memory import (deferred_weight_grad_bytes, optimizer_step_transient_bytes,
+                                         stage_parameters_per_gpu, stage_vector_parameters_per_gpu,
                                          state_bytes_per_parameter, stash_bytes, transient_activation_bytes)
 from megatron_pp.schedules.comm import insert_communication
-from megatron_pp.schedules.execute import deferred_backwards
 from megatron_pp.schedules.ir import TRANSFER_OPS, Op, Schedule
 from megatron_pp.schedules.offload import OffloadWarning
 from megatron_pp.schedules.registry import build_schedule, get_schedule
-from megatron_pp.schedules.runtime import hosting_bound
 from megatron_pp.schedules.simulate import CostModel, SimResult, simulate
+from megatron_pp.planning.stash_curve import list_order_peaks, live_weight_versions, resident_peaks  # noqa: F401 (re-exported)
 from megatron_pp.schedules.validate import validate
 from megatron_pp.training.flops import iteration_flops
 
@@ -150,6 +154,8 @@ class _Prepared:
     """Lower bound of the step time: the busiest rank's compute plus what follows its last action."""
     memory: Optional[Prediction] = None
     """The memory, when it does not depend on timing (the schedule moves no stashes)."""
+    optimizer: tuple[float, ...] = ()
+    """Per rank, the optimizer step's transient above the state (`memory.optimizer_step_transient_bytes`)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -234,6 +240,18 @@ class Evaluator:
                 count -= config.padded_vocab_size(c.tp) // c.tp * config.hidden_size
             out.append(count)
         return out
+
+    def rank_optimizer_step_bytes(self, c: Configuration, schedule: Schedule, params: Sequence[int]) -> tuple[float, ...]:
+        """Per pipeline rank, what its optimizer step allocates above the state, for the `params` it holds."""
+        job, specs = self.job, self.stages(c)
+        out = []
+        for rank, n in enumerate(params):
+            vectors = sum(stage_vector_parameters_per_gpu(job.config, specs[schedule.stage_of(rank, chunk)], c.tp)
+                          for chunk in range(c.num_chunks))
+            out.append(optimizer_step_transient_bytes(
+                n, vectors, dp=c.dp, distributed_optimizer=c.distributed_optimizer, param_bytes=job.param_bytes,
+                implementation=job.optimizer))
+        return tuple(out)
 
     def stage_compute_costs(self, c: Configuration) -> dict[tuple[Op, int], float]:
         """`compute_costs` of every global stage of `c` (F, B with what recompute re-runs, BI, BW)."""
@@ -402,7 +420,8 @@ class Evaluator:
                         for op in (Op.F, Op.B) for chunk in range(c.num_chunks)) for rank in range(c.pp)]
         transfers = any(a.op in TRANSFER_OPS for group in groups for s in group for acts in s.actions for a in acts)
         prepared = _Prepared(c, m, stash, self.stage_held_bytes(c), self._transient(c), versions, groups, params, state, costs, transfers,
-                             after, max(w + a for w, a in zip(work, after)))
+                             after, max(w + a for w, a in zip(work, after)),
+                             optimizer=self.rank_optimizer_step_bytes(c, reference, params))
         if not transfers:
             # Without stash transfers the resident stashes follow list order alone, whatever the timing,
             # so the memory is known now and a configuration that cannot fit is never simulated.
@@ -456,10 +475,15 @@ class Evaluator:
         c, m = prepared.configuration, prepared.m
         resident = _extend(replays, m, "stash_bytes", floor=True)
         counts = _extend(replays, m, "stash_count", floor=True)
-        memory = tuple(prepared.state[r] + resident[r] + prepared.transient for r in range(c.pp))
-        return Prediction(c, m, prepared.versions, prepared.state, tuple(resident), tuple(counts),
+        state, optimizer = prepared.state, prepared.optimizer
+        pipeline = [state[r] + resident[r] + prepared.transient for r in range(c.pp)]
+        if prepared.versions > 1:  # the lists step while stashes are held: charge both (a bound)
+            memory = tuple(pipeline[r] + optimizer[r] for r in range(c.pp))
+        else:  # a flushed step: the optimizer runs after the last backward, when no stash is left
+            memory = tuple(max(pipeline[r], state[r] + optimizer[r]) for r in range(c.pp))
+        return Prediction(c, m, prepared.versions, state, tuple(resident), tuple(counts),
                           prepared.transient, memory, self.cluster.capacity_bytes,
-                          extrapolated=all(r.m != m for r in replays))
+                          extrapolated=all(r.m != m for r in replays), optimizer_step_bytes=optimizer)
 
     @staticmethod
     def _simulate(schedule: Schedule, costs: CostModel) -> SimResult:
@@ -480,118 +504,3 @@ def _extend(replays: list[_Replay], m: int, name: str, floor: bool = False) -> l
     m1, m2 = replays[0].m, replays[-1].m
     out = [b + (m - m2) * (b - a) / (m2 - m1) for a, b in zip(first, last)]
     return [max(x, b) for x, b in zip(out, last)] if floor else out
-
-
-# Memory of a schedule ------------------------------------------------------------------------------------
-
-
-def live_weight_versions(schedule: Schedule) -> int:
-    """Weight copies a rank keeps at once. A version tag (`@v`) is alive on a rank from its first
-    appearance in the rank's list (the STEP@v that creates it, or its first use) to its last use; the most
-    versions alive together on any rank, at least 1, is applied to every rank: a two-version schedule
-    keeps two parameter buffers on every stage (PipeDream-2BW at pp = 1 still updates W(t) while batch t
-    runs on W(t − 1)). A flushed schedule tags nothing and keeps one."""
-    most = 1
-    for acts in schedule.actions:
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for index, a in enumerate(acts):
-            if a.version is not None:
-                first.setdefault(a.version, index)
-                last[a.version] = index
-        # One action carries one version, so no interval starts where another ends: order is unambiguous.
-        edges = sorted([(i, 1) for i in first.values()] + [(i, -1) for i in last.values()], key=lambda e: (e[0], -e[1]))
-        alive = 0
-        for _, delta in edges:
-            alive += delta
-            most = max(most, alive)
-    return most
-
-
-def list_order_peaks(schedule: Schedule, stage_bytes: Sequence[float],
-                     held_bytes: Optional[Sequence[float]] = None) -> list[float]:
-    """Peak stash bytes per rank of a schedule that moves no stashes: walking each rank's list, + a
-    stash at its F, − at its B (or BW); with `held_bytes`, + those of its stage at a BI whose BW is
-    deferred (`deferred_backwards`) and − again at that BW. Compute runs in list order on a rank, so this
-    is the simulator's curve under any cost model (`resident_peaks` of any simulation; tested)."""
-    peaks = []
-    for rank, acts in enumerate(schedule.actions):
-        deferred = deferred_backwards(acts) if held_bytes is not None else set()
-        level = peak = 0.0
-        for a in acts:
-            if a.op is Op.F:
-                level += stage_bytes[schedule.stage_of(rank, a.chunk)]
-                peak = max(peak, level)
-            elif a.op is Op.BI and (a.microbatch, a.chunk) in deferred:
-                level += held_bytes[schedule.stage_of(rank, a.chunk)]
-                peak = max(peak, level)
-            elif a.op is Op.B or a.op is Op.BW:
-                level -= stage_bytes[schedule.stage_of(rank, a.chunk)]
-                if (a.microbatch, a.chunk) in deferred:
-                    level -= held_bytes[schedule.stage_of(rank, a.chunk)]
-        peaks.append(peak)
-    return peaks
-
-
-def resident_peaks(schedule: Schedule, sim: SimResult, stage_bytes: Sequence[float],
-                   held_bytes: Optional[Sequence[float]] = None) -> list[float]:
-    """Peak device-resident stash bytes per rank: the simulator's stash curve with each (microbatch,
-    chunk) weighted by its stage's bytes.
-
-    The accounting is the simulator's (schedules/simulate.py): + a stash when its F starts, − when its B
-    (or BW) ends, − when an OFFLOAD/EVICT copy completes and + when the RELOAD/LOAD back starts; a parked
-    stash counts on its peer from the peer's ACCEPT until the LOAD has delivered it back. Events of a
-    rank's own actions at equal times keep list order, as the simulator records them; a peer's events
-    at equal times are taken pessimistically (arrivals first, departures last). With unit bytes this
-    reproduces `SimResult.peak_stash` on every rank that hosts no guests (tested). With `held_bytes`, a
-    (microbatch, chunk) whose BW is deferred also holds its stage's held bytes from the end of its BI to
-    the end of its BW (`list_order_peaks`).
-
-    A rank that hosts a peer's stashes allocates them at its ACCEPT but frees them only when the peer's
-    LOAD has taken them back (`schedules.peer_store.AcceptorStore`), which on a real machine depends on
-    the peer's pace, so they can overlap its own stashes differently from the simulated timeline. The
-    store holds at most `runtime.hosting_bound` of its list at once, so such a rank is charged the
-    larger of its simulated peak and (its own peak + that many guests), a bound that holds whatever the
-    timing.
-    """
-    events: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.num_ranks)]
-    for rank, line in enumerate(sim.timeline):
-        deferred = deferred_backwards(schedule.actions[rank]) if held_bytes is not None else set()
-        for index, (action, start, end) in enumerate(line):
-            op = action.op
-            if action.chunk is None or action.microbatch is None:
-                continue
-            size = float(stage_bytes[schedule.stage_of(rank, action.chunk)])
-            if (action.microbatch, action.chunk) in deferred and op in (Op.BI, Op.BW):
-                held = float(held_bytes[schedule.stage_of(rank, action.chunk)])
-                events[rank].append((end, index, held if op is Op.BI else -held))
-            if op is Op.F:
-                events[rank].append((start, index, size))
-            elif op in (Op.B, Op.BW):
-                events[rank].append((end, index, -size))
-            elif op in (Op.OFFLOAD, Op.EVICT):
-                events[rank].append((end, index, -size))
-            elif op is Op.ACCEPT:  # the buffers of the peer's stash, from their allocation
-                events[rank].append((start, -math.inf, float(stage_bytes[schedule.stage_of(action.peer,
-                                                                                         action.chunk)])))
-            elif op in (Op.RELOAD, Op.LOAD):
-                events[rank].append((start, index, size))
-                if op is Op.LOAD:
-                    events[action.peer].append((end, math.inf, -size))
-    def peak_of(rank_events) -> float:
-        level = peak = 0.0
-        for _, _, delta in sorted(rank_events):
-            level += delta
-            peak = max(peak, level)
-        return peak
-
-    peaks = []
-    for rank, rank_events in enumerate(events):
-        peak = peak_of(rank_events)
-        hosted = [a for a in schedule.actions[rank] if a.op is Op.ACCEPT]
-        if hosted:
-            guest = float(stage_bytes[schedule.stage_of(hosted[0].peer, hosted[0].chunk)])
-            own = peak_of([e for e in rank_events if not math.isinf(e[1])])
-            peak = max(peak, own + hosting_bound(schedule.actions[rank]) * guest)
-        peaks.append(peak)
-    return peaks

@@ -14,7 +14,8 @@ from typing import Optional
 from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.presets import get_preset
 from megatron_pp.planning.efficiency import HardwareProfile
-from megatron_pp.planning.memory import CPU_FP32, DEFAULT_RESERVED_FRACTION, MEGATRON_BF16, Numerics, attention_kind
+from megatron_pp.planning.memory import (CPU_FP32, DEFAULT_RESERVED_FRACTION, MEGATRON_BF16, OPTIMIZER_IMPLEMENTATIONS,
+                                         Numerics, attention_kind)
 
 GIB = 2 ** 30
 
@@ -84,6 +85,10 @@ class Job:
     """`--schedule-plugin` values that registered schedules the plan may pick (repeated in its commands)."""
     schedule_files: tuple[tuple[str, str], ...] = ()
     """(registered name, path) of schedules read from `--pipeline-schedule-file` (their commands name the file)."""
+    optimizer_implementation: Optional[str] = None
+    """How AdamW runs, which decides the optimizer step's transient (`memory.optimizer_step_transient_bytes`):
+    None = what the job picks on its device, `fused` on cuda and `foreach` on cpu; `foreach` for a cuda job
+    models what the dry run runs (its fake tensors are on the CPU, so the job's code picks foreach there)."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -94,6 +99,14 @@ class Job:
         self.config.validate(1)
         object.__setattr__(self, "config", dataclasses.replace(self.config, attention_backend=self.attention_backend))
         self.attention  # raises for an unsupported backend / dropout combination
+        if self.optimizer_implementation not in (None, *OPTIMIZER_IMPLEMENTATIONS):
+            raise ValueError(f"optimizer implementation {self.optimizer_implementation!r} is not one of "
+                             f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)}")
+
+    @property
+    def optimizer(self) -> str:
+        """The AdamW implementation the step runs (`optimizer_implementation`, or the device's)."""
+        return self.optimizer_implementation or ("fused" if self.device_type == "cuda" else "foreach")
 
     @property
     def attention(self) -> str:
@@ -171,6 +184,16 @@ class Prediction:
     tokens_per_s: Optional[float] = None
     extrapolated: bool = False
     """Whether the schedule was simulated at smaller m and extended linearly (see the module docstring)."""
+    optimizer_step_bytes: tuple[float, ...] = ()
+    """Per rank, what the optimizer step allocates above the state (`memory.optimizer_step_transient_bytes`);
+    `memory_bytes` is the larger of the backward's peak and state plus this."""
+
+    def peak_phase(self, rank: int) -> str:
+        """'optimizer' where the optimizer step sets the rank's peak, else 'pipeline'."""
+        if rank < len(self.optimizer_step_bytes) and (
+                self.state_bytes[rank] + self.optimizer_step_bytes[rank] >= self.memory_bytes[rank]):
+            return "optimizer"
+        return "pipeline"
 
     @property
     def fits(self) -> bool:

@@ -406,3 +406,55 @@ def stage_state_bytes(config: TransformerConfig, spec: StageSpec, *, tp: int = 1
     """Weights, gradients and optimizer state of one GPU of a stage, in bytes."""
     return stage_parameters_per_gpu(config, spec, tp) * state_bytes_per_parameter(
         dp=dp, distributed_optimizer=distributed_optimizer, bf16=bf16)
+
+
+# The optimizer step's transient ---------------------------------------------------------------------------
+
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach")
+"""How the inner AdamW runs (`training.optimizer._make_inner_optimizer`): `fused` on CUDA (apex FusedAdam,
+else torch's fused AdamW: one in-place kernel), `foreach` elsewhere (torch's multi-tensor AdamW on CPU, and
+on the fake CPU or meta tensors of the dry run)."""
+
+
+def stage_vector_parameters_per_gpu(config: TransformerConfig, spec: StageSpec, tp: int = 1) -> int:
+    """1-D parameters (norm weights and biases) of one GPU of a stage: AdamW's group without weight decay
+    (`training.optimizer`), the rest being matrices (linear weights, embeddings)."""
+    h, f = config.hidden_size, config.ffn_size
+    fc1 = 2 * f if config.activation == "swiglu" else f
+    norms = 4 * h if config.normalization == "LayerNorm" else 2 * h
+    biases = (config.qkv_size + fc1) // tp + 2 * h if config.add_bias_linear else 0
+    count = spec.num_layers * (norms + biases)
+    if spec.has_head:
+        count += 2 * h if config.normalization == "LayerNorm" else h
+    return count
+
+
+def optimizer_step_transient_bytes(params: int, vector_params: int, *, dp: int = 1,
+                                   distributed_optimizer: bool = False, param_bytes: int = 2,
+                                   implementation: str = "fused") -> float:
+    """Bytes `TrainingOptimizer.step` allocates above the state at its peak, on a GPU holding `params`
+    parameters of which `vector_params` are 1-D (ours, from the code, and measured to the byte on tiny
+    real runs: tests/planning/test_optimizer_step.py). The step runs, one after another, so the term is the
+    larger of:
+
+        AdamW, foreach    4 · max(params − vector_params, vector_params) / shards: torch's multi-tensor
+                          AdamW (`_multi_tensor_adam`) builds sqrt(v) for every fp32 main weight of a
+                          parameter group at once (`_foreach_sqrt`) and the groups run one after the other
+                          (weight decay on matrices, none on 1-D parameters); shards = dp with the
+                          distributed optimizer, else 1
+        AdamW, fused      0: one in-place kernel per tensor list
+        parameter gather  param_bytes · params · (1 + 1/dp) with the distributed optimizer and dp > 1
+                          (`core.distributed_optimizer.ShardedMainParams.copy_to_model` starts every
+                          bucket's all-gather before waiting on the first: each bucket's shard cast to the
+                          parameter dtype and its gathered copy are all alive at once, besides the model's
+                          own parameters); param_bytes · params at dp = 1 (the shards alone)
+
+    The gradient norm's outputs (one fp64 scalar per 4M-element piece), the step counters and the
+    loss scaler are a few KiB. Bucket padding (a few elements per bucket) is not counted."""
+    if implementation not in OPTIMIZER_IMPLEMENTATIONS:
+        raise ValueError(f"optimizer implementation {implementation!r} is not one of "
+                         f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)}")
+    shards = dp if distributed_optimizer else 1
+    adam = 0.0 if implementation == "fused" else 4 * max(params - vector_params, vector_params) / shards
+    gather = param_bytes * params * (1 + 1 / dp if dp > 1 else 1) if distributed_optimizer else 0.0
+    return max(adam, gather)
