@@ -127,8 +127,9 @@ def check_ramp_sizes(args: argparse.Namespace, data_parallel_size: int, num_chun
             sizes = (args.pipeline_model_parallel_size, m) + ((num_chunks or 1,) if entry.supports_virtual else ())
             entry.builder(*sizes, **job_schedule_options(args))
         except ValueError as exc:
-            raise ValueError(f"--rampup-batch-size: the ramp's global batch {m * args.micro_batch_size * data_parallel_size}"
-                             f" ({m} microbatches per step): {' '.join(str(exc).split())}") from exc
+            batch = m * args.micro_batch_size * data_parallel_size
+            raise ValueError(f"--rampup-batch-size: the ramp's global batch {batch} ({m} microbatches per step): "
+                             f"{' '.join(str(exc).split())}") from exc
 
 
 def virtual_stages_given(args: argparse.Namespace) -> bool:

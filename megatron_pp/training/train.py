@@ -102,6 +102,22 @@ def probe_offload_time(args: argparse.Namespace, shape: TransformerConfig, state
     return probe
 
 
+def connect_batch_ramp(args: argparse.Namespace, pipe: Pipeline, optimizer: Any, chunks: Optional[int],
+                       offload_time: Optional[float]) -> Optional[str]:
+    """With --rampup-batch-size: give the pipeline the job's schedule at any microbatch count (each validated,
+    built on first use, its executor connected to the optimizer) and return the start-up line; else None."""
+    if args.rampup_batch_size is None:
+        return None
+    state = pipe.state
+    pipe.schedule_for = lambda m: build_job_schedule(args, state.dp_size, chunks, offload_time=offload_time,
+                                                     num_microbatches=m)
+    pipe.on_new_executor = lambda executor: connect_optimizer(executor, optimizer)
+    ramp = BatchSizes.from_args(args).ramp_batches()
+    return (f"megatron_pp: batch-size ramp-up (--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}): "
+            f"global batch {ramp[0]} -> {args.global_batch_size} over {len(ramp)} iterations ({sum(ramp)} samples), "
+            f"{args.train_iters} iterations in all")
+
+
 def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
              on_iteration: Optional[Callable[[dict], None]] = None) -> list[dict]:
     """Run the configured training job; returns rank 0's metric rows (training and evaluation; empty
@@ -131,10 +147,7 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     else:
         optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     connect_optimizer(pipe.executor, optimizer)  # REDUCE_GRAD -> its reducer; sharded weights' gathers
-    if args.rampup_batch_size is not None:  # one validated list per microbatch count, built on first use
-        pipe.schedule_for = lambda m: build_job_schedule(
-            args, state.dp_size, chunks, offload_time=probe.offload_time if probe else None, num_microbatches=m)
-        pipe.on_new_executor = lambda executor: connect_optimizer(executor, optimizer)
+    ramp_line = connect_batch_ramp(args, pipe, optimizer, chunks, probe.offload_time if probe else None)
     checkpoint = TrainingState(
         chunks=pipe.chunks, stage_ids=pipe.stage_ids, stages=pipe.layout, placement=schedule.placement,
         state=state, config=config, schedule_name=schedule.name, optimizer=optimizer,
@@ -155,11 +168,8 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
             f"schedule {schedule.name} (m={schedule.num_microbatches}, v={schedule.num_chunks}), "
             f"{config.num_parameters(state.tp_size) / 1e6:.2f}M parameters"
         )
-        if args.rampup_batch_size is not None:
-            ramp = BatchSizes.from_args(args).ramp_batches()
-            trainer.log(f"megatron_pp: batch-size ramp-up (--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}):"
-                        f" global batch {ramp[0]} -> {args.global_batch_size} over {len(ramp)} iterations "
-                        f"({sum(ramp)} samples), {args.train_iters} iterations in all")
+        if ramp_line is not None:
+            trainer.log(ramp_line)
         compat_line = accepted_without_effect(args)  # Megatron-LM flags that tune only its own machinery
         if compat_line is not None:
             trainer.log(compat_line)

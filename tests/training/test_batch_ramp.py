@@ -130,16 +130,23 @@ def _ramp_losses(ctx, argv, tp, pp):
     return [(r["global_batch_size"], r["loss"]) for r in rows]
 
 
-@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "1"]],
-                         ids=["pp2", "dp2"])
-def test_ramp_under_pipeline_and_data_parallelism_gives_one_process_losses(layout):
-    """pp 2 runs a separate 1F1B list for 2, 4 and 6 microbatches; dp 2 steps of 1, 2 and 3 per replica."""
-    argv = TINY + ["--train-samples", "20"]
-    one = pretrain(parse_args(argv))
-    reference = [(r["global_batch_size"], r["loss"]) for r in one]
-    pp = int(layout[1])
-    results = run_distributed(2, _ramp_losses, argv + layout, 1, pp)
-    ranked = results[0]
+LAYOUTS = {
+    "pp2-1f1b": ([], ["--pipeline-model-parallel-size", "2"]),
+    "pp2-interleaved": (["--num-layers", "4"], ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                                "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "dp2-distributed-optimizer": ([], ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_ramp_under_pipeline_and_data_parallelism_gives_one_process_losses(name):
+    """pp 2 runs a separate list for 2, 4 and 6 microbatches (1F1B, and interleaved over 2 chunks per rank);
+    dp 2 steps 1, 2 and 3 microbatches per replica through the distributed optimizer's overlapped reduction."""
+    model, layout = LAYOUTS[name]
+    argv = TINY + model + ["--train-samples", "20"]
+    reference = [(r["global_batch_size"], r["loss"]) for r in pretrain(parse_args(argv))]
+    pp = 2 if "--pipeline-model-parallel-size" in layout else 1
+    ranked = run_distributed(2, _ramp_losses, argv + layout, 1, pp)[0]
     assert [b for b, _ in ranked] == [b for b, _ in reference] == [2, 2, 4, 6, 6]
     assert [loss for _, loss in ranked] == pytest.approx([loss for _, loss in reference], rel=1e-5)
 
