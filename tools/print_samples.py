@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_pp.cli import ExitingArgumentParser  # noqa: E402
+from megatron_pp.training.batch_ramp import BatchSizes  # noqa: E402
 from megatron_pp.data.builder import (  # noqa: E402
     SPLIT_NAMES, add_data_args, build_datasets, check_data_args, data_config_from_args, split_sample_counts,
 )
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-iters", type=int, default=None, help="the job's iterations")
     parser.add_argument("--train-samples", type=int, default=None, help="the job's samples (instead of iterations)")
     parser.add_argument("--global-batch-size", type=int, required=True, help="samples per iteration")
+    parser.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                        metavar=("START", "INCREMENT", "SAMPLES"), help="the job's batch-size ramp-up: it sets the run's iterations, hence the validation count")
     parser.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (default 100)")
     parser.add_argument("--eval-interval", type=int, default=None, help="iterations between evaluations")
     parser.add_argument("--num-samples", type=int, required=True, help="samples to write")
@@ -66,7 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"print_samples.py: error: {errors[0]}", file=sys.stderr)
         return 2
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
-    train_iters = args.train_iters or train_samples // args.global_batch_size
+    # The job's iterations (the batch-size ramp-up's included, as Megatron-LM counts them) decide how many
+    # validation samples it asks for, hence the validation split's order.
+    train_iters = args.train_iters or BatchSizes.from_args(args).train_iters(train_samples)
     counts = split_sample_counts(train_samples, args.global_batch_size, args.eval_iters, args.eval_interval,
                                  train_iters)
     split = SPLIT_NAMES.index(args.split_name)

@@ -42,6 +42,25 @@ def test_writes_the_samples_the_job_reads_in_order(corpus, tmp_path):
     assert [json.loads(line) for line in open(out)] == [valid.sample(i).tolist() for i in range(16, 20)]
 
 
+def test_a_batch_size_ramp_up_sets_the_validation_count_as_the_job_counts_it(corpus, tmp_path):
+    """--rampup-batch-size 2 2 8 with a global batch of 8 and 160 samples: the ramp's 4 iterations (2, 2, 4, 8)
+    consume 16 samples, then 18 full ones: 22 iterations, not 160 // 8 = 20, so the job asks the validation
+    split for (22 // 7 + 1) x 2 x 8 = 64 samples, not 48, and the validation order follows that count."""
+    a, _ = corpus
+    out = str(tmp_path / "valid.jsonl")
+    job = ["--data-path", a, "--split", "90,8,2", "--seq-length", "8", "--seed", "3", "--train-samples", "160",
+           "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "8", "--eval-interval", "7",
+           "--eval-iters", "2", "--data-cache-path", str(tmp_path / "cache")]
+    assert print_samples.main(job + ["--num-samples", "12", "--split-name", "valid", "--json", out]) == 0
+    config = DataConfig(seq_length=8, seed=3, data_path=[a], split="90,8,2", cache_dir=str(tmp_path / "cache"))
+    assert split_sample_counts(160, 8, 2, 7, 22)[1] == 64
+    ramp = build_datasets(config, split_sample_counts(160, 8, 2, 7, 22), eod_id=0)[1]
+    constant = build_datasets(config, split_sample_counts(160, 8, 2, 7, 20), eod_id=0)[1]
+    rows = [json.loads(line) for line in open(out)]
+    assert rows == [ramp.sample(i).tolist() for i in range(12)]
+    assert rows != [constant.sample(i).tolist() for i in range(12)]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--data-path", "0", "A", "0", "B"], "--data-path: the weights sum to 0"),
     (["--data-path", "B", "--split", "969,30,1", "--eval-interval", "5"], "leaves"),
