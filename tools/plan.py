@@ -29,6 +29,7 @@ from megatron_pp.planning.report import (TENSOR_PARALLEL_STATUS, TENSOR_PARALLEL
                                          launch_command, summary_row)
 from megatron_pp.schedules.plugins import PluginError, add_plugin_flag, load_plugins  # noqa: E402
 from megatron_pp.schedules.schedule_file import register_schedule_file  # noqa: E402
+from megatron_pp.planning.verify import verify_lines, verify_top  # noqa: E402
 
 
 SKIP_REASONS = 5
@@ -81,11 +82,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows of the table")
     p.add_argument("--commands", type=int, default=3, help="print the launch command of this many best rows")
     p.add_argument("--json", help="also write every fitting configuration to this JSON file")
+    p.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="dry-run the worst pipeline rank of the N best distinct plans (the real job on fake tensors, "
+                        "this process) and print measured beside predicted peak (docs/planner.md)")
     args = p.parse_args(argv)
     if args.attention_backend is None:
         args.attention_backend = "flash" if args.device == "cuda" else "sdpa"
     if args.top < 1 or args.commands < 0:
         p.error("--top must be >= 1 and --commands >= 0")
+    if args.verify < 0:
+        p.error("--verify must be >= 0")
     return args
 
 
@@ -196,11 +202,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines += ["", "launch (add data and length flags, e.g. --data-path ... --train-iters ...):"]
         lines += [f"#{i} {command}" for i, command in enumerate(commands, 1)]
     print("\n".join(lines))
+    verified = []
+    if args.verify:
+        print()
+        verified = verify_top(plan.job, plan.cluster, [p for p, _ in rows], args.verify)
+        lines += [""] + verify_lines(verified)
+        print("\n".join(verify_lines(verified)))
     if args.json:
-        rows = [{**summary_row(p), "command": launch_command(plan.job, plan.cluster, p.configuration)}
-                for p in plan.ranked]
+        ranked = [{**summary_row(p), "command": launch_command(plan.job, plan.cluster, p.configuration)}
+                  for p in plan.ranked]
         write_json(args.json, {"command": "python tools/plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                               "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": rows,
+                               "efficiency": plan.efficiency, "warnings": plan.warnings, "ranked": ranked,
+                               **({"verify": verified} if args.verify else {}),
                                "printed": lines})  # what the run printed, which docs/planner.md shows
     return 0
 

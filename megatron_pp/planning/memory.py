@@ -71,7 +71,8 @@ Implementation-dependent dtypes are gathered in `Numerics`. Which profile matche
 Weights, gradients and optimizer state follow Megatron-LM's table ("Distributed Optimizer", Megatron
 Core developer guide): bf16 parameters with fp32 gradients and fp32 Adam (master copy, two moments) take
 18 bytes per parameter, or `6 + 12/dp` with the distributed optimizer (ZeRO-1); fp32 parameters with fp32
-gradients take 16, or `8 + 8/dp`.
+gradients take 16, or `8 + 12/dp` here (Megatron-LM's table says `8 + 8/dp`; our distributed optimizer
+keeps an fp32 copy of its shard even when the parameters are fp32).
 """
 from __future__ import annotations
 
@@ -397,8 +398,10 @@ def state_bytes_per_parameter(*, dp: int = 1, distributed_optimizer: bool = Fals
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     if bf16:  # bf16 param 2 + fp32 grad 4 + fp32 master 4 + two fp32 moments 8
         return 6 + 12 / dp if distributed_optimizer else 18.0
-    # fp32 param 4 + fp32 grad 4 + two fp32 moments 8 (the parameter is its own master)
-    return 8 + 8 / dp if distributed_optimizer else 16.0
+    # fp32 param 4 + fp32 grad 4 + two fp32 moments 8 (the parameter is its own master); the distributed
+    # optimizer also copies its shard of them (`core.distributed_optimizer.ShardedMainParams`): 4/dp more
+    # than Megatron-LM's 8 + 8/dp (measured: tests/planning/test_optimizer_step.py)
+    return 8 + 12 / dp if distributed_optimizer else 16.0
 
 
 def stage_state_bytes(config: TransformerConfig, spec: StageSpec, *, tp: int = 1, dp: int = 1,

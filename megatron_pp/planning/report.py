@@ -120,11 +120,12 @@ def summary_row(p: Prediction) -> Mapping[str, object]:
     """The columns of the ranked table, as plain values (also the JSON rows of tools/plan.py)."""
     c = p.configuration
     return {
-        "schedule": c.schedule, "v": c.num_chunks, "options": dict(c.options), "tp": c.tp, "pp": c.pp, "dp": c.dp,
+        "configuration": c.label(), "schedule": c.schedule, "v": c.num_chunks, "options": dict(c.options), "tp": c.tp, "pp": c.pp, "dp": c.dp,
         "micro_batch_size": c.micro_batch_size, "num_microbatches": p.num_microbatches, "recompute": c.recompute,
         "distributed_optimizer": c.distributed_optimizer, "weight_versions": p.weight_versions,
         "peak_memory_gib": p.peak_memory_bytes / GIB, "worst_rank": p.worst_rank,
         "stash_gib": [b / GIB for b in p.stash_bytes], "peak_stashes": list(p.peak_stashes),
+        "optimizer_step_gib": [b / GIB for b in p.optimizer_step_bytes],
         "step_s": p.step_s, "pipeline_s": p.pipeline_s, "reduce_s": p.reduce_s,
         "bubble_fraction": p.bubble_fraction, "mfu": p.mfu, "tokens_per_s": p.tokens_per_s,
         "extrapolated": p.extrapolated,

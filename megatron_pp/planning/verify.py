@@ -16,7 +16,9 @@ import time
 from typing import Optional, Sequence
 
 from megatron_pp.planning.cost import Evaluator
-from megatron_pp.planning.job import GIB, Cluster, Configuration, Job, Prediction
+from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction
+
+MIB = 2 ** 20
 
 DRY_RUN_OPTIMIZER = "foreach"
 """The AdamW implementation the dry run's code picks on its CPU (or meta) fake tensors."""
@@ -82,19 +84,19 @@ def verify(job: Job, cluster: Cluster, plan_prediction: Prediction, device: str 
 
 
 def verify_lines(results: Sequence[dict]) -> list[str]:
-    """The printed table: one row per verified plan (GiB)."""
+    """The printed table: one row per verified plan (MiB)."""
     lines = ["verify (dry run of each plan's worst pipeline rank; predicted with foreach AdamW, as the dry run "
              "runs on CPU tensors):",
              f"{'#':>3} {'configuration':<48} {'rank':>4} {'measured':>9} {'predicted':>9} {'pred/meas':>9} "
-             f"{'peak (measured / predicted)':<28} {'plan GiB':>8}"]
+             f"{'peak (measured / predicted)':<28} {'plan':>9}   (MiB)"]
     for i, r in enumerate(results, 1):
         if "refused" in r:
             lines.append(f"{i:>3} {r['configuration']:<48} refused: {r['refused']}")
             continue
         phases = f"{r['measured_phase']} / {r['predicted_phase']}"
-        lines.append(f"{i:>3} {r['configuration']:<48} {r['pipeline_rank']:>4} {r['measured_peak_bytes'] / GIB:>9.2f} "
-                     f"{r['predicted_peak_bytes'] / GIB:>9.2f} {r['predicted_over_measured']:>9.3f} {phases:<28} "
-                     f"{r['plan_peak_bytes'] / GIB:>8.2f}")
+        lines.append(f"{i:>3} {r['configuration']:<48} {r['pipeline_rank']:>4} {r['measured_peak_bytes'] / MIB:>9.1f} "
+                     f"{r['predicted_peak_bytes'] / MIB:>9.1f} {r['predicted_over_measured']:>9.3f} {phases:<28} "
+                     f"{r['plan_peak_bytes'] / MIB:>9.1f}")
     return lines
 
 

@@ -18,7 +18,7 @@ from megatron_pp.planning.cost import Evaluator
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES, HardwareProfile
 from megatron_pp.planning.job import Cluster, Configuration, Job
 from megatron_pp.planning.memory import (optimizer_step_transient_bytes, stage_parameters_per_gpu,
-                                         stage_vector_parameters_per_gpu)
+                                         stage_vector_parameters_per_gpu, state_bytes_per_parameter)
 from megatron_pp.training import dry_run
 from megatron_pp.training import optimizer as optimizer_module
 from megatron_pp.training.arguments import model_config_from_args, parse_args
@@ -94,9 +94,12 @@ def test_foreach_adamw_holds_sqrt_v_of_the_larger_group_to_the_byte(monkeypatch,
 @pytest.mark.parametrize("dp", [2, 4])
 def test_distributed_optimizer_holds_every_gathered_bucket_at_once(monkeypatch, precision, dp):
     argv = TINY + ["--global-batch-size", str(2 * dp), "--use-distributed-optimizer"] + precision
-    above, _ = _step_transients(monkeypatch, argv, dp)
+    above, report = _step_transients(monkeypatch, argv, dp)
     params, vectors = _counts(argv)
     param_bytes = 2 if precision else 4
+    # The state too: an fp32 model's shard is copied as well (8 + 12/dp bytes a parameter, not 8 + 8/dp).
+    state = report.parameter_bytes + report.gradient_bytes + report.optimizer_bytes
+    assert state == params * state_bytes_per_parameter(dp=dp, distributed_optimizer=True, bf16=bool(precision))
     predicted = optimizer_step_transient_bytes(params, vectors, dp=dp, distributed_optimizer=True,
                                                param_bytes=param_bytes, implementation="foreach")
     assert above[1] == predicted == param_bytes * params * (1 + 1 / dp)
