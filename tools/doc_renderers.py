@@ -368,10 +368,20 @@ def _emulate_rows(reports: tuple) -> list[dict]:
     return [row for report in reports for row in report["rows"]]
 
 
+def _excess(row: dict) -> str:
+    """A row's step beyond the costs on its measured critical path, ms: 'overrun · gap · hop · wait · lead'."""
+    path = row.get("critical_path_ms")
+    if path is None:
+        return "–"
+    return " · ".join(f"{path[k]:.0f}" for k in ("overrun", "gap", "hop", "wait", "lead"))
+
+
 def emulate_table(*reports: dict) -> str:
     """tools/trace_vs_sim.py --emulate: per (schedule, p, m), for each cost set the measured step against the
     simulated makespan (relative error) and the measured bubble against the simulated one, e.g. '0.698 / 0.660
-    (+5.8%)' and '0.300 / 0.273'; the model's share of busy time and the load average over the row."""
+    (+5.8%)' and '0.300 / 0.273'; with equal costs, the step beyond the costs on its critical path (`_excess`);
+    the receives posted ahead per link (most), the compute actions whose own work exceeded their cost (all
+    measured steps of both cost sets), the model's share of busy time and the load average over the row."""
     rows: dict = {}
     for row in _emulate_rows(reports):
         rows.setdefault((row["pp"], row["microbatches"], row["schedule"]), {})[row["costs"]] = row
@@ -385,11 +395,15 @@ def emulate_table(*reports: dict) -> str:
                 f"{num(r['measured_bubble'], 3)} / {num(r['simulated_bubble'], 3)}"]
         share = [r["model_share"] for r in by_costs.values()]
         load = [x for r in by_costs.values() for x in r["load_average"]]
-        cells += [pct(max(share), 0), f"{min(load):.0f}–{max(load):.0f}"]
+        over = [n for r in by_costs.values() for n in r.get("actions_over_cost", [])]
+        cells += ["–" if "equal" not in by_costs else _excess(by_costs["equal"]),
+                  str(max(r.get("receives_ahead_max", 1) for r in by_costs.values())),
+                  str(sum(over)) if over else "–", pct(max(share), 0), f"{min(load):.0f}–{max(load):.0f}"]
         out.append(cells)
     return table(["schedule", "p", "m", "equal costs: step s, measured / simulated", "bubble, measured / simulated",
-                  "split costs: step s, measured / simulated", "bubble, measured / simulated", "model share",
-                  "load average"], out)
+                  "split costs: step s, measured / simulated", "bubble, measured / simulated",
+                  "equal costs: ms beyond the costs on the critical path, overrun · gap · hop · wait · lead", "receives ahead",
+                  "actions over cost", "model share", "load average"], out)
 
 
 def emulate_targets(*reports: dict) -> str:

@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-traces", default=None, metavar="DIR", help="keep each run's trace here")
     parser.add_argument("--json", default=None)
     parser.add_argument("--emulate", action="store_true",
-                        help="emulated compute (megatron_pp/benchmarks/emulate.py): every compute action and stash "
-                             "copy sleeps for its cost-model time on a tiny model, so p = 16 fits on 2 cores; "
-                             "compares step time and bubble with the simulator")
+                        help="emulated compute (megatron_pp/benchmarks/emulate.py): every compute action ends at its "
+                             "start plus its cost-model time and every stash copy takes its cost-model time, on a "
+                             "tiny model, so p = 16 fits on 2 cores; compares step time and bubble with the "
+                             "simulator and takes the excess apart along the critical path")
     parser.add_argument("--costs", default="equal,split", help="--emulate: cost sets, comma-separated (equal, split)")
     parser.add_argument("--unit-ms", type=float, default=20.0, help="--emulate: one forward, in milliseconds")
     parser.add_argument("--steps", type=int, default=2, help="--emulate: measured steps after one warm-up step")
