@@ -10,33 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-# ---- formatting helpers (what every renderer shares) -------------------------------------------------------
-
-def num(value: float, places: int = 2) -> str:
-    """`num(1.0435, 3)` -> '1.044'; `num(195584, 0)` -> '195,584' (thousands separated when no decimals)."""
-    return f"{value:,.0f}" if places == 0 else f"{value:.{places}f}"
-
-
-def pct(value: float, places: int = 1, sign: bool = False) -> str:
-    """A fraction as a percentage: `pct(0.179)` -> '17.9%'; `pct(-0.0246, 2, sign=True)` -> '−2.46%'."""
-    text = f"{value * 100:+.{places}f}%" if sign else f"{value * 100:.{places}f}%"
-    return text.replace("-", "−")
-
-
-def mib(n_bytes: float, places: int = 2) -> str:
-    """Bytes in MiB: `mib(33660928)` -> '32.10'."""
-    return f"{n_bytes / 2**20:.{places}f}"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table: `table(["a", "b"], [["1", "2"]])` -> '| a | b |\\n|---|---|\\n| 1 | 2 |'."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def yes_no(flag: bool) -> str:
-    return "yes" if flag else "no"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_format import mib, num, pct, table, yes_no  # noqa: E402,F401  (the helpers every renderer shares)
 
 
 
@@ -487,6 +462,7 @@ RENDERERS: dict = {
     "bench-mfu-spread": ("docs/results/bench_mfu_tiny_cpu.json", bench.mfu_spread),
     "vs-torch-cpu-same": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("1f1b", "interleaved-1f1b")),
     "vs-torch-cpu-zb": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("zb-h1", "zb-v")),
+    "vs-torch-identical": ("docs/results/vs_torch_cpu.json", bench.vs_torch_identical),
     "layered-traffic-sentence": ("docs/results/layered_traffic_cpu.json", bench.layered_traffic_sentence),
     "layered-weights-sentence": ("docs/results/layered_traffic_cpu.json", bench.layered_weights_sentence),
     "bpipe-acceptor-pairs": ("docs/results/bpipe_acceptor_cpu.json", bench.acceptor_pairs_sentence),

@@ -4,7 +4,7 @@ markers; a ratio is at most the ratio of two recorded numbers.
 """
 from __future__ import annotations
 
-from doc_renderers import num
+from doc_format import num
 
 
 def build_growth_sentence(data: dict) -> str:
@@ -86,3 +86,10 @@ def acceptor_pairs_sentence(data: dict) -> str:
     return (f"a median factor of {num(data['bpipe_over_1f1b_after_over_before_median'])} ({num(lo)}–{num(hi)} over "
             f"the pairs); rank {len(after) - 1}, the acceptor, peaked at {num(after[-1] / 1e6)} MB of stashes "
             f"against the thread's {num(before[-1] / 1e6)} MB, rank 0 at {num(after[0] / 1e6)} MB")
+
+
+def vs_torch_identical(data: dict) -> str:
+    """The bench_vs_torch.py pairs whose check step gave the same gradients to the bit (largest relative
+    difference 0.0): '`1f1b` and `interleaved-1f1b`'."""
+    same = [f"`{name}`" for name, pair in data["pairs"].items() if pair["check"]["grad_rel_diff_max"] == 0.0]
+    return " and ".join([", ".join(same[:-1]), same[-1]] if len(same) > 1 else same) or "none"

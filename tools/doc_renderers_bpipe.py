@@ -1,5 +1,5 @@
 """The renderers of docs/bpipe.md's estimator tables and of the BPipe figures in docs/reproduction.md
-(tools/doc_renderers.py registers them; the helpers there format).
+(tools/doc_renderers.py registers them; tools/doc_format.py formats).
 
 Each estimator JSON is what `tools/estimate_bpipe.py ... --json` wrote: a list of one report per layout
 (`job`, `best_plain`, `best_bpipe`, `speedup`, `candidates` as rows of `candidate_fields`). The tool picks the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from doc_renderers import num, table
+from doc_format import num, table
 
 
 def layout(report: dict) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from doc_renderers import pct, table
+from doc_format import pct, table
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import render_docs  # noqa: E402  (first: its registry imports the renderer modules below)
-import doc_renderers_bpipe as bp  # noqa: E402
+import doc_renderers_bpipe as bp  # noqa: E402  (before the registry: the modules import in any order)
 import doc_renderers_glance as glance  # noqa: E402
+import render_docs  # noqa: E402
 
 
 def config(b, recompute, step, K=4, transfer=0.0):
