@@ -510,6 +510,7 @@ RENDERERS: dict = {
     "repro-layered-slow": (FULL, glance.rows_text("layered", r"^Network: step time")),
     "repro-layered-memory": (FULL, glance.rows_text("layered", r"^Memory with ZeRO")),
     "bpipe-estimate-48gpu": (bp.VARIANTS_48, bp.estimate_48gpu_table),
+    "bpipe-estimate-usage": ("docs/results/estimate_bpipe_gpt3_13b.json", bp.estimate_printout),
     "bpipe-estimate-one-node": (tuple(bp.ONE_NODE), bp.estimate_one_node_table),
     "bpipe-estimate-reserve": (bp.RESERVE, bp.reserve_table),
     "bpipe-recompute-cost": ((ESTIMATE("96b_modern_pairs_node"), ESTIMATE("96b_flash_modern_pairs_node")),

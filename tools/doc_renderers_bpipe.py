@@ -241,3 +241,34 @@ def variant_step_sentence(data: dict) -> str:
         steps.append(f"{re.search(r'step ([0-9.]+ s)', row['predicted'])[1]} ({model})")
     (speedup,) = [r for r in report["rows"] if r["claim"].startswith("GPT-3 96B: speedup of `bpipe` ")]
     return f"{' and '.join(steps)}; {speedup['predicted']} for 96B as configured"
+
+
+def estimate_printout(data: list) -> str:
+    """What `tools/estimate_bpipe.py` printed for a one-layout run, re-printed by the tool's own `explain`
+    from the run's JSON (the estimate rebuilt from its recorded fields, nothing recomputed), in a code
+    block. The tool's "layer MFU(b)" line is a roofline evaluation the JSON does not record, so it is
+    not part of the block."""
+    import dataclasses
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import estimate_bpipe as tool
+    from megatron_pp.models.config import TransformerConfig
+    from megatron_pp.planning.bpipe_estimator import Candidate, Estimate, Job
+    from megatron_pp.planning.efficiency import HardwareProfile
+
+    def candidate(fields: dict | None):
+        return fields and Candidate(**{**fields, "stage_peak_bytes": tuple(fields["stage_peak_bytes"])})
+
+    (run,) = data
+    job = run["job"]
+    config = TransformerConfig(**job["config"])
+    estimate = Estimate(
+        Job(config, job["tp"], job["pp"], job["dp"], job["global_batch_size"], job["attention"],
+            sequence_parallel=job["sequence_parallel"], distributed_optimizer=job["distributed_optimizer"]),
+        HardwareProfile(**{f.name: run["hardware"][f.name] for f in dataclasses.fields(HardwareProfile)}),
+        run["efficiency"], run["capacity_bytes"],
+        [candidate(dict(zip(run["candidate_fields"], row))) for row in run["candidates"]],
+        candidate(run["best_plain"]), candidate(run["best_bpipe"]), list(run["warnings"]))
+    return "```\n" + "\n".join(tool.explain(estimate)) + "\n```"
