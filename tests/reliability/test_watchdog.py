@@ -99,3 +99,46 @@ def test_a_peer_dead_across_a_stall_is_still_named(monkeypatch):
     """The peer dies in the stall: once the watcher has checked through the timeout again, it names it."""
     cause, step = _watch(monkeypatch, Clock(100, lambda step: step < 6, stalls={6: 600.0}))
     assert cause.startswith("rank 1 failed or stopped responding") and step == 9  # 4 unchanged checks: 6..9
+
+
+def _reporting_dog(monkeypatch, refused: bool, agent_store: bool = False):
+    dog = wd.Watchdog(FakeStore(), rank=1, world_size=2, timeout_s=8.0, store_address="the rendezvous store at h:1",
+                      store_host=("127.0.0.1", 1), agent_store=agent_store)
+    monkeypatch.setattr(dog, "_store_refuses", lambda: refused)
+
+    def report(cause):
+        raise Verdict(cause)
+
+    monkeypatch.setattr(dog, "_report", report)
+    return dog
+
+
+def test_a_store_whose_port_refuses_means_its_host_is_gone_at_once(monkeypatch):
+    """The first failed store call with the port refusing: no waiting out the timeout (a plain launch's rank 0
+    hosts the store; under torchrun, the agent)."""
+    with pytest.raises(Verdict, match=r"^rank 0 is gone: the rendezvous store at h:1, which it hosted, refuses "
+                                      r"connections$"):
+        _reporting_dog(monkeypatch, refused=True)._store_failed(0.0)
+    with pytest.raises(Verdict, match=r"^the torchrun agent is gone: "):
+        _reporting_dog(monkeypatch, refused=True, agent_store=True)._store_failed(0.0)
+
+
+def test_a_store_that_does_not_answer_is_given_the_timeout(monkeypatch):
+    """No refusal (a host lost with its node, or a slow store): only after the timeout without an answer."""
+    dog = _reporting_dog(monkeypatch, refused=False)
+    dog._store_failed(7.9)  # within the timeout: nothing yet
+    with pytest.raises(Verdict, match=r"^rank 0 is gone: .* stopped answering for 8 s$"):
+        dog._store_failed(8.1)
+
+
+def test_the_probe_tells_a_closed_port_from_a_listening_one():
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        port = listening.getsockname()[1]
+        dog = wd.Watchdog(FakeStore(), rank=1, world_size=2, timeout_s=8.0, store_host=("127.0.0.1", port))
+        assert dog._store_refuses() is False
+    assert dog._store_refuses() is True  # closed now: nothing listens there
+    assert wd.Watchdog(FakeStore(), rank=1, world_size=2, timeout_s=8.0)._store_refuses() is False  # no address
