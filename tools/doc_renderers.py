@@ -440,6 +440,7 @@ RENDERERS: dict = {
                        trends_of("breadth-first", lambda trend: not trend.startswith("breadth-first"))),
     "stash-trends-farthest": ("docs/results/reproduce_quick.json", farthest_stash_trend),
     "mutation-headline": ("docs/results/mutation.json", mutation_table),
+    "mutation-since": ("docs/results/mutation_since_9821f81.json", mutation_table),
     "soak": ("docs/results/soak_short_cpu.json", soak_table),
     "planner-validation": ("docs/results/planner_validation.json", planner_validation_table),
     "pipeoffload-sim": ("docs/results/pipeoffload_sim_p4_m8.json", offload_table),
