@@ -25,7 +25,9 @@ def _shifted_offsets(ctx):
 def test_a_shifted_clock_is_measured_within_the_stated_bound():
     (offset0, error0), (offset1, error1) = run_distributed(2, _shifted_offsets)
     assert offset0 == 0.0 and error0 == 0.0
-    assert 0 < error1 < 0.05 and abs(offset1 - SHIFT) <= error1, (offset1 - SHIFT, error1)
+    # The bound is half the best of 8 round trips: milliseconds, more on a loaded machine; any load keeps it far
+    # below the planted 1234.5 s, so the offset check holds on any load (no bound tied to a quiet machine).
+    assert 0 < error1 < 1.0 and abs(offset1 - SHIFT) <= error1, (offset1 - SHIFT, error1)
 
 
 def _drifting(ctx):
@@ -91,8 +93,8 @@ def test_ranks_line_up_in_the_trace_despite_a_shifted_clock(tmp_path):
     notes = data["otherData"]
     bound = max(notes["error_bound_s"]) * 1e6
     # Rank 1's clock runs SHIFT ahead: both measurements find that offset, each within its error bound (half
-    # the best barrier round trip, well under 50 ms on one machine).
-    assert 0 <= max(notes["error_bound_s"]) < 0.05, notes
+    # the best barrier round trip: milliseconds, more on a loaded machine, and far below SHIFT on any load).
+    assert 0 <= max(notes["error_bound_s"]) < 1.0, notes
     for key in ("offset_start_s", "offset_end_s"):
         assert abs(notes[key][1] - SHIFT) <= notes["error_bound_s"][1] + 1e-6, notes
     slices = [e for e in data["traceEvents"] if e["ph"] == "X"]

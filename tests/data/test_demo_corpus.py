@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -45,9 +44,7 @@ def test_second_call_returns_the_cache_at_once(demo, monkeypatch):
         raise AssertionError("the cached corpus should have been used")
 
     monkeypatch.setattr(demo_corpus, "_build", no_rebuild)
-    start = time.perf_counter()
-    assert prepare_demo_data(cache_dir) == info
-    assert time.perf_counter() - start < 1.0
+    assert prepare_demo_data(cache_dir) == info  # `_build` refuses to run: the cache was used, on any load
     assert [n for n in os.listdir(cache_dir) if not n.startswith("stdlib-docs-")] == []  # no leftovers
 
 

@@ -22,8 +22,10 @@ from tests.reliability.ranks import ROOT, launch_ranks, stderr_of, wait_all
 
 TINY = ["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "1", "--seed", "5", "--lr", "1e-3"]
 HEARTBEAT_S = 6.0
-# Bound on how long the survivors may take after the death: heartbeat timeout + one interval + exit.
-BOUND_S = 30.0
+# No wall-clock bound (it would depend on the machine's load): the process-group timeout is set far beyond
+# the test's patience, so a survivor that exits at all was stopped by its watchdog, which its line says.
+NO_PG_TIMEOUT = ["--distributed-timeout-minutes", "60"]
+PATIENCE_S = 600.0
 
 
 def _wait_for_death(procs, rank, timeout=120.0):
@@ -36,14 +38,13 @@ def _wait_for_death(procs, rank, timeout=120.0):
 
 def test_a_rank_killed_mid_step_stops_every_other_rank_naming_it(tmp_path):
     argv = TINY + ["--num-layers", "3", "--pipeline-model-parallel-size", "3", "--global-batch-size", "3",
-                   "--train-iters", "1000", "--heartbeat-timeout-seconds", str(HEARTBEAT_S), "--log-interval", "1000"]
+                   "--train-iters", "1000", "--heartbeat-timeout-seconds", str(HEARTBEAT_S), "--log-interval", "1000",
+                   *NO_PG_TIMEOUT]
     procs = launch_ranks(3, argv, str(tmp_path), env={ENV_VAR: "kill_in_step@3:1"})
-    died = _wait_for_death(procs, 1)
-    codes = wait_all(procs, timeout=BOUND_S + 60)
-    elapsed = time.monotonic() - died
+    _wait_for_death(procs, 1)
+    codes = wait_all(procs, timeout=PATIENCE_S)
     assert codes[1] == -signal.SIGKILL
     assert codes[0] == 1 and codes[2] == 1, codes
-    assert elapsed < BOUND_S, elapsed
     for rank in (0, 2):
         err = stderr_of(str(tmp_path), rank)
         assert err.startswith("error: rank 1 failed or stopped responding") and err.count("\n") == 1, err
@@ -52,11 +53,12 @@ def test_a_rank_killed_mid_step_stops_every_other_rank_naming_it(tmp_path):
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     argv = TINY + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--train-iters", "4",
-                   "--save", str(ck), "--save-interval", "1", "--heartbeat-timeout-seconds", str(HEARTBEAT_S)]
+                   "--save", str(ck), "--save-interval", "1", "--heartbeat-timeout-seconds", str(HEARTBEAT_S),
+                   *NO_PG_TIMEOUT]
     procs = launch_ranks(2, argv, str(tmp_path), env={ENV_VAR: "kill_in_save@2:1"})
-    died = _wait_for_death(procs, 1)
-    codes = wait_all(procs, timeout=BOUND_S + 60)
-    assert codes == [1, -signal.SIGKILL] and time.monotonic() - died < BOUND_S
+    _wait_for_death(procs, 1)
+    codes = wait_all(procs, timeout=PATIENCE_S)
+    assert codes == [1, -signal.SIGKILL], codes
     assert stderr_of(str(tmp_path), 0).startswith("error: rank 1 failed or stopped responding")
     assert read_tracker(str(ck)) == 1 and not (ck / "iter_0000002").exists()
     assert (ck / "iter_0000002.tmp").is_dir()  # half-written, never published, never loaded
