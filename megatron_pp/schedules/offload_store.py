@@ -191,9 +191,10 @@ class HostBufferPool:
         return self._fences.get(storage_key(buffer))
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over a whole storage (what the copies move)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+def _bytes_of(storage: torch.UntypedStorage, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A uint8 tensor over a whole storage (what the copies move), on `device` (default the storage's own:
+    a fake tensor's storage says `meta` whatever device the tensor is on, so the dry run passes the tensor's)."""
+    return torch.empty(0, dtype=torch.uint8, device=device or storage.device).set_(storage)
 
 
 @dataclass(eq=False)
@@ -208,6 +209,8 @@ class _Storage:
     """Emptied and refilled in place (private to the caller) instead of dropped and re-allocated."""
     offset: int = 0
     """Where it sits in the stash's host buffer."""
+    device: Optional[torch.device] = None
+    """The device of the tensors saved in it (not `storage.device`, which is `meta` for fake tensors)."""
 
 
 @dataclass(eq=False)
@@ -238,7 +241,7 @@ class _Saved:
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
-            self.tensor = torch.empty(0, dtype=self.dtype, device=self.entry.storage.device).set_(
+            self.tensor = torch.empty(0, dtype=self.dtype, device=self.entry.device).set_(
                 self.entry.storage, self.offset, self.size, self.stride)
         return self.tensor
 
@@ -288,6 +291,11 @@ class OffloadStore(ActivationStore):
         if key in self._records:
             self._records[key].state = StashState.SAVED
 
+    def _on_device(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether a saved tensor is on the store's device: the tensor's device, not its storage's, which is
+        `meta` for a fake tensor (the dry run's), so a fake stash would never be moved."""
+        return t.device == self.device
+
     def pack(self, t: torch.Tensor, stash):
         packed = super().pack(t, stash)
         record = self._records.get(stash.key)
@@ -295,11 +303,11 @@ class OffloadStore(ActivationStore):
             return packed
         storage = t.untyped_storage()
         if (self.is_excluded(t) or storage.nbytes() <= self.min_numel * t.element_size()
-                or storage.device != self.device):
+                or not self._on_device(t, storage)):
             return packed
         entry = record.storages.get(storage_key(storage))
         if entry is None:
-            entry = record.storages[storage_key(storage)] = _Storage(storage, storage.nbytes())
+            entry = record.storages[storage_key(storage)] = _Storage(storage, storage.nbytes(), device=t.device)
         saved = _Saved(record, entry, t, t.dtype, t.storage_offset(), t.size(), t.stride())
         entry.handles.append(saved)
         return saved
@@ -331,7 +339,7 @@ class OffloadStore(ActivationStore):
             self.host_bytes += record.host.numel()
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
             self.copied_bytes += sum(e.nbytes for e in record.parked)
-            record.ticket = self.copies.copy([(record.host[e.offset:e.offset + e.nbytes], _bytes_of(e.storage))
+            record.ticket = self.copies.copy([(record.host[e.offset:e.offset + e.nbytes], _bytes_of(e.storage, e.device))
                                               for e in record.parked], to_host=True, after=self.pool.fence(record.host))
         if getattr(self.copies, "frees_on_issue", False):
             self._free_parked(record)  # the engine keeps the sources valid until the copy has run
@@ -397,7 +405,7 @@ class OffloadStore(ActivationStore):
         record.state = StashState.RELOADING
         if record.parked:
             # After the copy out, which may still be queued when the engine freed on issue.
-            record.ticket = self.copies.copy([(_bytes_of(e.storage), record.host[e.offset:e.offset + e.nbytes])
+            record.ticket = self.copies.copy([(_bytes_of(e.storage, e.device), record.host[e.offset:e.offset + e.nbytes])
                                               for e in record.parked], to_host=False, after=record.ticket)
         if record.ticket is None or record.ticket.done():
             record.state = StashState.RELOADED

@@ -40,6 +40,7 @@ from megatron_pp.core.comm_check import CommEvent, CommWatch, fake_world
 from megatron_pp.core.grads import unique_parameters
 from megatron_pp.core.parallel_state import ParallelState, RankLayout
 from megatron_pp.core.storage import storage_key
+from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
 from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
@@ -50,6 +51,7 @@ from megatron_pp.training.weight_versions import uses_weight_versions
 
 
 _DEVICE_OF = torch.ops.prim.device.default
+_HOLDS_A_STORAGE = {torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
 
 
 class DryRunError(ValueError):
@@ -69,17 +71,24 @@ class _LiveBytes:
 
     `where` is set by the caller (the action running); `peak_at` keeps the `where` of the peak. A storage
     is counted once however many views of it exist, and stops counting when it dies (a weak reference with a
-    callback: PyTorch keeps one Python object per live storage, so it dies exactly with the storage)."""
+    callback: PyTorch keeps one Python object per live storage, so it dies exactly with the storage).
+    Storages made while `host_side` is set (PipeOffload's host buffers: on a CPU job the host and the
+    "device" are one device type, so the allocation site tells them apart) count as host memory, apart from
+    the device's; storages named by `mark_guests` (BPipe's buffers for a partner's parked stash) stay in the
+    device's count and are also counted apart."""
 
     def _start(self, watch: Optional[CommWatch]) -> None:
         # Shown every operator before it runs, so the communication watch needs no dispatch layer of its own.
         self.watch = watch
-        self.live: dict[int, tuple[weakref.ref, int]] = {}  # storage_key -> (weak reference, nbytes)
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.live: dict[int, tuple[weakref.ref, int, bool]] = {}  # storage_key -> (weak ref, nbytes, on host)
+        self.live_bytes = self.peak_bytes = 0
         self.peak_at = ""
         self.where = "setup"
         self.on_peak = None
+        self.host_side = False
+        self.host_bytes = self.host_peak_bytes = 0
+        self.guest_bytes = self.guest_peak_bytes = 0
+        self._guests: set[int] = set()
 
     def _note(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -87,7 +96,11 @@ class _LiveBytes:
         if key in self.live:
             return  # the same live storage (a view, an in-place result): a dead one's callback removed it
         nbytes = storage.nbytes()
-        self.live[key] = (weakref.ref(storage, lambda ref, key=key: self._freed(key, ref)), nbytes)
+        self.live[key] = (weakref.ref(storage, lambda ref, key=key: self._freed(key, ref)), nbytes, self.host_side)
+        if self.host_side:
+            self.host_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            return
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes, self.peak_at = self.live_bytes, self.where
@@ -98,7 +111,22 @@ class _LiveBytes:
         entry = self.live.get(key)
         if entry is not None and entry[0] is ref:
             del self.live[key]
-            self.live_bytes -= entry[1]
+            if entry[2]:
+                self.host_bytes -= entry[1]
+            else:
+                self.live_bytes -= entry[1]
+            if key in self._guests:
+                self._guests.discard(key)
+                self.guest_bytes -= entry[1]
+
+    def mark_guests(self, tensors) -> None:
+        """Count the live storages of `tensors` as hosted for a partner (still device memory)."""
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            if key in self.live and key not in self._guests:
+                self._guests.add(key)
+                self.guest_bytes += self.live[key][1]
+        self.guest_peak_bytes = max(self.guest_peak_bytes, self.guest_bytes)
 
     def _seen(self, out) -> None:
         if isinstance(out, torch.Tensor):
@@ -146,10 +174,14 @@ class TrackingFakeMode(_LiveBytes, FakeTensorMode):
         if self.watch is not None:
             self.watch.observe(func, args)
         self._inside = True
+        # `set_(storage, ...)` (the offload and BPipe stores rebuild views on a storage with it) is kept out of
+        # the fake mode's dispatch cache: its key would hold the storage, which then never dies (on the tiny
+        # PipeOffload run, 8 MiB of stashes stayed live and the peak was 2.8x the real run's).
+        cached, self.cache_enabled = self.cache_enabled, self.cache_enabled and func not in _HOLDS_A_STORAGE
         try:
             out = FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs or {})
         finally:
-            self._inside = False
+            self._inside, self.cache_enabled = False, cached
         self._seen(out)
         return out
 
@@ -179,6 +211,15 @@ class RankReport:
     peak_at: str
     seconds: float
     """CPU seconds of the whole rank (process time): groups, model, optimizer, the steps."""
+    host_bytes: int = 0
+    """Host memory (PipeOffload's host buffers, pinned on CUDA) live at the end of the second step: the pool
+    keeps its buffers across steps, so this is what the job holds on the host from then on."""
+    host_peak_bytes: int = 0
+    """The most host memory live at once (not in `peak_bytes`, which is the device's)."""
+    guest_peak_bytes: int = 0
+    """BPipe acceptor: the most device memory held at once for the partner's parked stashes (in `peak_bytes`)."""
+    guest_at_peak_bytes: int = 0
+    """BPipe acceptor: of `peak_bytes`, the partner's parked stashes (neither state, own stash nor transient)."""
     step_seconds: list[float] = field(default_factory=list)
     """CPU seconds of each step (forward, backward and reduction through the executor, then the optimizer)."""
     comm: list[CommEvent] = field(default_factory=list, repr=False)
@@ -220,6 +261,29 @@ def _label_actions(executor, tracker: _LiveBytes, step: list[int]) -> None:
             tracker.where = f"step {step[0]}, {action}"
             run(action)
         executor.handlers[op] = labelled
+
+
+def _watch_host_side(store, tracker: _LiveBytes) -> None:
+    """Point the tracker at the store's host-side memory: PipeOffload's host buffers (allocated by its
+    `HostBufferPool.take`) count as host memory; BPipe's acceptor buffers (allocated by `accept`) as hosted."""
+    pool = getattr(store, "pool", None)
+    if pool is not None and not isinstance(store, PeerStore):  # a PeerStore records, it copies nothing to host
+        take = pool.take
+
+        def take_on_host(nbytes: int, take=take) -> torch.Tensor:
+            tracker.host_side = True
+            try:
+                return take(nbytes)
+            finally:
+                tracker.host_side = False
+        pool.take = take_on_host
+    if isinstance(store, AcceptorStore):
+        accept = store.accept
+
+        def accept_counted(key, accept=accept) -> None:
+            accept(key)
+            tracker.mark_guests(store._guests[key])
+        store.accept = accept_counted
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -277,8 +341,9 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
     del batches_real
     step = [0]
     _label_actions(pipe.executor, tracker, step)
-    stash_at_peak = [0]
-    tracker.on_peak = lambda: stash_at_peak.__setitem__(0, pipe.executor.store.live_bytes)
+    _watch_host_side(pipe.executor.store, tracker)
+    at_peak = [0, 0]  # the store's own stashes and the partner's hosted ones when the peak was reached
+    tracker.on_peak = lambda: at_peak.__setitem__(slice(None), [pipe.executor.store.live_bytes, tracker.guest_bytes])
     step_seconds = []
     for step[0] in range(1, steps + 1):
         began = time.process_time()
@@ -296,14 +361,17 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
         rank=state.rank, pipeline_rank=state.pp_rank, tensor_rank=state.tp_rank, data_rank=state.dp_rank,
         parameter_bytes=params, gradient_bytes=grads, optimizer_bytes=opt,
         stash_peak_bytes=pipe.executor.store.peak_bytes,
-        transient_peak_bytes=max(tracker.peak_bytes - persistent - stash_at_peak[0], 0),
-        peak_bytes=tracker.peak_bytes, peak_at=tracker.peak_at, seconds=0.0, step_seconds=step_seconds)
+        transient_peak_bytes=max(tracker.peak_bytes - persistent - at_peak[0] - at_peak[1], 0),
+        peak_bytes=tracker.peak_bytes, peak_at=tracker.peak_at, seconds=0.0, step_seconds=step_seconds,
+        host_bytes=tracker.host_bytes, host_peak_bytes=tracker.host_peak_bytes,
+        guest_peak_bytes=tracker.guest_peak_bytes, guest_at_peak_bytes=at_peak[1])
 
 
 # The command ---------------------------------------------------------------------------------------------
 _COLUMNS = (("rank", "rank"), ("pp", "pipeline_rank"), ("tp", "tensor_rank"), ("params", "parameter_bytes"),
             ("grads", "gradient_bytes"), ("optimizer", "optimizer_bytes"), ("stash peak", "stash_peak_bytes"),
-            ("transient", "transient_peak_bytes"), ("peak", "peak_bytes"))
+            ("transient", "transient_peak_bytes"), ("peak", "peak_bytes"), ("host peak", "host_peak_bytes"),
+            ("hosted peak", "guest_peak_bytes"))
 
 
 def _mib(n: int) -> str:
