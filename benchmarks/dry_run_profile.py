@@ -1,5 +1,6 @@
 """Where a dry run's time goes: cProfile of one `--dry-run` command, split into import, FakeTensorMode's
-dispatch, the dry run's own memory tracker and communication watch, and the rest of the step.
+dispatch, the dry run's own memory tracker and communication watch (one dispatch mode since the fake mode
+itself tracks and watches: `training.dry_run.TrackingFakeMode`), and the rest of the step.
 
     python benchmarks/dry_run_profile.py --out docs/results/dry_run_profile.json -- \
         --model-preset llama3-70b --mock-data --bf16 ... --dry-run 64 --dry-run-ranks 0
@@ -22,7 +23,7 @@ PARTS = {
     "executor (both steps)": ("execute.py", None, "run"),
     "fake tensor dispatch": ("fake_tensor.py", None, "dispatch"),
     "memory tracker (with what it wraps)": ("dry_run.py", None, "__torch_dispatch__"),
-    "communication watch (with what it wraps)": ("comm_check.py", None, "__torch_dispatch__"),
+    "communication watch": ("comm_check.py", None, "observe"),
     "backward (autograd engine)": ("execute.py", None, "_backward_pass"),
 }
 
@@ -37,8 +38,8 @@ def summary(profile: str, argv: str) -> dict:
     parts = {k: cumulative(stats, *v) for k, v in PARTS.items()}
     run = parts["executor (both steps)"]
     fake = parts["fake tensor dispatch"]
-    tracker = parts["memory tracker (with what it wraps)"] - fake
-    watch = parts["communication watch (with what it wraps)"] - parts["memory tracker (with what it wraps)"]
+    watch = parts["communication watch"]  # called by the tracker for every operator, inside its time
+    tracker = parts["memory tracker (with what it wraps)"] - fake - watch
     return {"command": f"python pretrain_llama.py {argv}", "profile_total_s": stats.total_tt, "parts_s": parts,
             "executor_shares": {"fake tensor dispatch": fake / run, "memory tracker itself": tracker / run,
                                 "communication watch itself": watch / run,
@@ -59,7 +60,7 @@ def main() -> int:
         flags = [a for a in args.rest if a != "--"]
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         profile = args.out + ".prof"
-        code = "from megatron_pp.training.train import main; main(FLAGS, default_preset='llama-tiny')"
+        code = "from megatron_pp.training.train import main; main(FLAGS + ['--dry-run-jobs', '1'], default_preset='llama-tiny')"
         try:
             cProfile.run(code.replace("FLAGS", repr(flags)), profile)
         except SystemExit:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -22,7 +23,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
 from megatron_pp.planning.cost import Evaluator  # noqa: E402
 from megatron_pp.planning.efficiency import HARDWARE_PROFILES  # noqa: E402
@@ -63,9 +63,10 @@ def planner_row(args: argparse.Namespace, num_chunks: int) -> dict:
             "reserve_note": "memory_bytes excludes the planner's reserved fraction of the device"}
 
 
-def run(name: str, ranks: str | None, on_rank=lambda partial: None) -> dict:
-    """Dry-run `name`'s ranks one at a time (`on_rank` sees the partial result after each, so a long run
-    that is stopped keeps what it measured), then match their communication and ask the planner."""
+def run(name: str, ranks: str | None, on_rank=lambda partial: None, jobs: int | None = None) -> dict:
+    """Dry-run `name`'s ranks in `jobs` worker processes (`dry_run.run_ranks`; `on_rank` sees the partial
+    result after each rank, so a long run that is stopped keeps what it measured), then match their
+    communication over all of them and ask the planner."""
     from megatron_pp.training.arguments import num_chunks
     from megatron_pp.training.dry_run_agree import disagreements
 
@@ -75,16 +76,23 @@ def run(name: str, ranks: str | None, on_rank=lambda partial: None) -> dict:
         planner = planner_row(args, num_chunks(args, model_config_from_args(args)))
     except Exception as err:  # noqa: BLE001 - a schedule the planner cannot model is reported, not fatal
         planner = {"error": f"{type(err).__name__}: {err}"}
+    chosen = dry_run.chosen_ranks(args)
+    jobs = dry_run.default_jobs(len(chosen)) if jobs is None else jobs
     result = {"name": name, "command": "python pretrain_llama.py " + " ".join(argv), "ranks": [],
-              "disagreements": [], "planner": planner, "cpu_seconds": 0.0, "wall_seconds": 0.0}
-    reports = []
-    for rank in dry_run.chosen_ranks(args):
-        began_wall, began_cpu = time.perf_counter(), time.process_time()
-        reports.append(dry_run.run_rank(args, rank, torch.device(args.dry_run_device)))
-        result["ranks"].append(reports[-1].row())
-        result["cpu_seconds"] += time.process_time() - began_cpu
-        result["wall_seconds"] += time.perf_counter() - began_wall
-        on_rank(result)
+              "disagreements": [], "planner": planner, "jobs": jobs, "cpu_seconds": 0.0, "wall_seconds": 0.0,
+              "load_average_before": list(os.getloadavg())}
+    began = time.perf_counter()
+
+    def arrived(report) -> None:
+        result["ranks"].append(report.row())
+        result["ranks"].sort(key=lambda row: row["rank"])
+        result["cpu_seconds"] += report.seconds  # the worker's process time for that rank
+        result["wall_seconds"] = time.perf_counter() - began
+        on_rank(result, report.rank)
+
+    reports = dry_run.run_ranks(args, chosen, jobs, arrived)
+    result["wall_seconds"] = time.perf_counter() - began
+    result["load_average_after"] = list(os.getloadavg())
     result["disagreements"] = disagreements({r.rank: r.comm for r in reports})
     return result
 
@@ -112,25 +120,34 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--ranks", default=None, help="--dry-run-ranks for every configuration (default: one per pp rank)")
     parser.add_argument("--out", default=None, help="JSON file to write")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="worker processes per configuration (default: one per usable core, at most one per rank)")
     args = parser.parse_args(argv)
     names = args.configs.split(",")
+    if args.jobs is not None and args.jobs < 1:
+        print(f"error: --jobs {args.jobs}: needs at least one worker", file=sys.stderr)
+        return 2
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         print(f"error: --configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})", file=sys.stderr)
         return 2
     results: list[dict] = []
 
-    def write(partial: dict) -> None:
-        print(f"{partial['name']}: rank {partial['ranks'][-1]['rank']} done, {partial['cpu_seconds']:.1f} CPU s "
-              f"so far", flush=True)
+    def write(partial: dict, rank: int | None = None) -> None:
+        if rank is not None:
+            print(f"{partial['name']}: rank {rank} done, {partial['cpu_seconds']:.1f} CPU s, "
+                  f"{partial['wall_seconds']:.1f} s wall so far", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({
                 "machine": platform.processor() or platform.machine(),
-                "note": "CPU seconds are this process's time on a shared 2-core machine (wall time is not comparable)",
+                "cores": len(os.sched_getaffinity(0)),
+                "note": "cpu_seconds: the sum of each rank's process time in its worker; wall_seconds: the whole "
+                        "configuration with `jobs` workers, on a machine shared with other work (load averages "
+                        "recorded before and after)",
                 "results": results + [partial]}, indent=1))
 
     for name in names:
-        results.append(run(name, args.ranks, write))
+        results.append(run(name, args.ranks, write, args.jobs))
     print(markdown(results))
     write(results.pop())
     return 0
