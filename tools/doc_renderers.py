@@ -568,3 +568,10 @@ def bpipe_dry_run_table(*runs: dict) -> str:
 
 RENDERERS["bpipe-dry-run"] = (("docs/results/bpipe_dry_run_96b_p4.json", "docs/results/bpipe_dry_run_96b_p8.json"),
                               bpipe_dry_run_table)
+
+
+# docs/dry_run.md: full-size configurations through the dry run (tools/dry_run_table.py) ---------------------
+from doc_renderers_dry_run import dry_run_ranks_table, dry_run_time_sentence  # noqa: E402
+
+RENDERERS["dry-run-llama3-70b-1f1b"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_ranks_table)
+RENDERERS["dry-run-time"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_time_sentence)

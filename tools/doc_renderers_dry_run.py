@@ -1,0 +1,40 @@
+"""Renderers of docs/dry_run.md (registered in tools/doc_renderers.py): the per-rank table and the timing
+sentence of a `tools/dry_run_table.py` JSON."""
+from __future__ import annotations
+
+from doc_format import num, table
+
+GIB = 2**30
+
+
+def dry_run_ranks_table(*runs: dict) -> str:
+    """Per configuration and simulated rank: state (parameters + gradients + optimizer), stash peak, transient,
+    total peak and host peak from the dry run (GiB), the planner's peak and the ratio of the two, where the
+    peak fell, and the rank's CPU seconds."""
+    rows = []
+    for data in runs:
+        for res in data["results"]:
+            plan = res["planner"]
+            for r in res["ranks"]:
+                p = r["pipeline_rank"]
+                state = r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"]
+                theirs = plan["memory_bytes"][p] if "memory_bytes" in plan else None
+                rows.append([res["name"], str(r["rank"]), str(p), num(state / GIB), num(r["stash_peak_bytes"] / GIB),
+                             num(r["transient_peak_bytes"] / GIB), num(r["peak_bytes"] / GIB),
+                             num(r.get("host_peak_bytes", 0) / GIB),
+                             num(theirs / GIB) if theirs is not None else plan.get("error", "n/a"),
+                             num(theirs / r["peak_bytes"], 3) if theirs is not None else "",
+                             r["peak_at"], num(r["seconds"], 1)])
+    return table(["configuration", "rank", "pp rank", "state GiB", "stash peak GiB", "transient GiB",
+                  "dry run peak GiB", "host peak GiB", "planner GiB", "planner / dry run", "peak at", "CPU s"], rows)
+
+
+def dry_run_time_sentence(data: dict) -> str:
+    """'8 ranks, 829.7 CPU s in all (82.9 to 120.1 per rank), 2156.6 s wall with 2 workers, load average
+    18.9 before and 9.7 after' for the first configuration of the JSON."""
+    res = data["results"][0]
+    per_rank = [r["seconds"] for r in res["ranks"]]
+    return (f"{len(per_rank)} ranks, {num(res['cpu_seconds'], 1)} CPU s in all ({num(min(per_rank), 1)} to "
+            f"{num(max(per_rank), 1)} per rank), {num(res['wall_seconds'], 1)} s wall with {res['jobs']} workers, "
+            f"load average {num(res['load_average_before'][0], 1)} before and "
+            f"{num(res['load_average_after'][0], 1)} after")
