@@ -135,9 +135,17 @@ def report_runtime_error(line: str, store: Optional[object], rank: int, world_si
     if store is None or world_size == 1:
         print_error(line)
         return
+    printed = f"{key_prefix()}error/printed"
     if echo:
-        if rank == 0:  # a plain launch's store lives here: let the rank that names the cause finish with it
-            time.sleep(grace_s + 1.0)
+        # The rank that met the cause prints it. Stay until it has: under torchrun the agent stops the other
+        # workers as soon as one exits, which would stop that rank before its line; and a plain launch's
+        # store lives in rank 0, which that rank still talks to until it has said so.
+        deadline = time.monotonic() + grace_s + 30.0
+        try:
+            while not store.check([printed]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:  # the store's host is gone: nothing left to wait for
+            pass
         return
     key = f"{key_prefix()}error/{_digest(line)}/"
     try:
@@ -155,4 +163,8 @@ def report_runtime_error(line: str, store: Optional[object], rank: int, world_si
     if printer == rank:
         print_error(line if count == world_size else _attributed(line, rank, count))
     _leave_together(store, key, count, rank)
+    try:
+        store.set(printed, "1")  # the ranks that only echo a failure elsewhere may leave now
+    except Exception:
+        pass
 
