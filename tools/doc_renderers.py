@@ -575,3 +575,4 @@ from doc_renderers_dry_run import dry_run_ranks_table, dry_run_time_sentence  # 
 
 RENDERERS["dry-run-llama3-70b-1f1b"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_ranks_table)
 RENDERERS["dry-run-time"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_time_sentence)
+RENDERERS["dry-run-llama3-70b-zb-h1"] = ("docs/results/dry_run_llama3_70b_zb_h1.json", dry_run_ranks_table)
