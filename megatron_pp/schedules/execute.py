@@ -288,22 +288,13 @@ class PipelineExecutor:
             if self.comm is not None:
                 self.comm.poll()
             if self.trace:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                label = " ".join(map(str, actions[first:i]))
-                events.append((label, start, time.perf_counter() - t0))
-                # Time blocked on the action's received input, nested in its slice: what is left of the
-                # slice is the rank's own work (tools/trace_vs_sim.py measures action costs so).
-                events.extend((f"wait {label}", s, e) for s, e in self._blocked)
-                self._blocked.clear()
+                self._trace_slice(events, actions[first:i], start)
         if self.comm is not None:
             self.comm.drain()
         if not forward_only:
             self.store.end_step()
-        leftovers = [name for name, d in (("inputs", self._inputs), ("outputs", self._outputs),
-                                          ("output grads", self._grad_outputs), ("input grads", self._input_grads)) if d]
-        if leftovers and segment is None:
-            raise RuntimeError(f"rank {self.rank}: step ended with unconsumed {', '.join(leftovers)}")
+        if segment is None:
+            self._check_nothing_left()
         self.store.include(scale_tensors)
         return StepResult(
             loss_sum=self._loss_sum,
@@ -315,6 +306,23 @@ class PipelineExecutor:
             peak_host_bytes=getattr(self.store, "peak_host_bytes", 0),
             started=t0,
         )
+
+    def _trace_slice(self, events: list, actions: Sequence[Action], start: float) -> None:
+        """Record the slice of `actions` that just ran (from `start`, seconds since the step began) and the time
+        it was blocked on its received input, nested in it: what is left of the slice is the rank's own work
+        (tools/trace_vs_sim.py measures action costs so)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        label = " ".join(map(str, actions))
+        events.append((label, start, time.perf_counter() - self._t0))
+        events.extend((f"wait {label}", s, e) for s, e in self._blocked)
+        self._blocked.clear()
+
+    def _check_nothing_left(self) -> None:
+        leftovers = [name for name, d in (("inputs", self._inputs), ("outputs", self._outputs),
+                                          ("output grads", self._grad_outputs), ("input grads", self._input_grads)) if d]
+        if leftovers:
+            raise RuntimeError(f"rank {self.rank}: step ended with unconsumed {', '.join(leftovers)}")
 
     # Compute ----------------------------------------------------------------------------------------------
     def _take(self, table: dict, key: tuple[int, int]) -> torch.Tensor:

@@ -224,11 +224,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     precise diagnosis.
     """
     costs = CostModel() if costs is None else costs
-    for name in ("stage_weights", "stash_bytes"):  # one entry per global stage
-        per_stage = getattr(costs, name)
-        if per_stage is not None and len(per_stage) != schedule.num_stages:
-            raise ValueError(f"CostModel.{name} has {len(per_stage)} entries, schedule {schedule.name!r} has "
-                             f"{schedule.num_stages} stages")
+    _check_costs(schedule, costs)
     states = [_RankState(guest_cap=hosting_bound(acts)) for acts in schedule.actions]
     pos = [0] * schedule.num_ranks
     sides_of, num_links = link_sides(schedule.actions)
@@ -244,7 +240,6 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     latency = costs.p2p_latency
     while (rank := wakeups.next()) is not None:
         acts, state, sides = schedule.actions[rank], states[rank], sides_of[rank]
-        timeline, inputs_at = state.timeline, state.inputs_at
         i, n = pos[rank], len(acts)
         while i < n:
             if sides[i] is None:
@@ -262,31 +257,55 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                 end += 1
             batch = sides[i:end]
             if state.posted_at is None:
-                # Sends leave as soon as the batch is posted (an even side sends, see `Side`).
-                state.posted_at = state.clock
-                for side, _, peer, _ in batch:
-                    if not side & 1:
-                        arrival[side >> 1].append(state.clock + latency)
-                        wakeups.wake(peer)
+                _post_sends(state, batch, arrival, latency, wakeups)
             # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
             # each consumer waits for its own receive only (`_run_compute`).
-            start = state.posted_at
             if any(side & 1 and len(arrival[side >> 1]) <= k for side, k, _, _ in batch):
                 break
-            for action, (side, k, _, _) in zip(acts[i:end], batch):
-                if side & 1:
-                    done = max(start, arrival[side >> 1][k])
-                    timeline.append((action, start, done))
-                    inputs_at[Op.F if action.op is Op.RECV_F else Op.B, action.microbatch, action.chunk] = done
-                else:
-                    timeline.append((action, start, start))
-            state.posted_at, i = None, end
+            _complete_batch(acts[i:end], batch, state, arrival)
+            i = end
         pos[rank] = i
 
     stuck = [f"rank {r}, action {pos[r]} ({acts[pos[r]]})" for r, acts in enumerate(schedule.actions)
              if pos[r] < len(acts)]
     if stuck:
         raise ScheduleError(f"simulation of {schedule.name!r} cannot proceed; waiting at " + "; ".join(stuck))
+    return _result(states, costs)
+
+
+def _check_costs(schedule: Schedule, costs: CostModel) -> None:
+    for name in ("stage_weights", "stash_bytes"):  # one entry per global stage
+        per_stage = getattr(costs, name)
+        if per_stage is not None and len(per_stage) != schedule.num_stages:
+            raise ValueError(f"CostModel.{name} has {len(per_stage)} entries, schedule {schedule.name!r} has "
+                             f"{schedule.num_stages} stages")
+
+
+def _post_sends(state: "_RankState", batch, arrival: list[list[float]], latency: float, wakeups: "Wakeups") -> None:
+    """Post a communication batch: its sends leave now (an even side sends, see `Side`), each arriving on its
+    link after `latency`, and wake their receivers."""
+    state.posted_at = state.clock
+    for side, _, peer, _ in batch:
+        if not side & 1:
+            arrival[side >> 1].append(state.clock + latency)
+            wakeups.wake(peer)
+
+
+def _complete_batch(actions, batch, state: "_RankState", arrival: list[list[float]]) -> None:
+    """Record a posted batch whose messages have all arrived: a receive is done when its message is in (not
+    before the post), a send at its post; a receive's arrival is its consumer's input time."""
+    start = state.posted_at
+    for action, (side, k, _, _) in zip(actions, batch):
+        if side & 1:
+            done = max(start, arrival[side >> 1][k])
+            state.timeline.append((action, start, done))
+            state.inputs_at[Op.F if action.op is Op.RECV_F else Op.B, action.microbatch, action.chunk] = done
+        else:
+            state.timeline.append((action, start, start))
+    state.posted_at = None
+
+
+def _result(states: list["_RankState"], costs: CostModel) -> SimResult:
     makespan = max([state.clock for state in states] + [t for state in states for t in state.lanes.values()])
     busy = [state.busy for state in states]
     bubble = 0.0 if makespan == 0 else sum((makespan - b) / makespan for b in busy) / len(states)
