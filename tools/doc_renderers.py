@@ -537,6 +537,7 @@ RENDERERS: dict = {
     "vs-torch-cpu-same": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("1f1b", "interleaved-1f1b")),
     "vs-torch-cpu-zb": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("zb-h1", "zb-v")),
     "vs-torch-identical": ("docs/results/vs_torch_cpu.json", bench.vs_torch_identical),
+    "vs-torch-profile": ("docs/results/vs_torch_cpu.json", bench.vs_torch_profile_sentence),
     "layered-traffic-sentence": ("docs/results/layered_traffic_cpu.json", bench.layered_traffic_sentence),
     "layered-weights-sentence": ("docs/results/layered_traffic_cpu.json", bench.layered_weights_sentence),
     "bpipe-acceptor-pairs": ("docs/results/bpipe_acceptor_cpu.json", bench.acceptor_pairs_sentence),

@@ -4,7 +4,7 @@ markers; a ratio is at most the ratio of two recorded numbers.
 """
 from __future__ import annotations
 
-from doc_format import num
+from doc_format import num, pct
 
 
 def build_growth_sentence(data: dict) -> str:
@@ -93,3 +93,26 @@ def vs_torch_identical(data: dict) -> str:
     difference 0.0): '`1f1b` and `interleaved-1f1b`'."""
     same = [f"`{name}`" for name, pair in data["pairs"].items() if pair["check"]["grad_rel_diff_max"] == 0.0]
     return " and ".join([", ".join(same[:-1]), same[-1]] if len(same) > 1 else same) or "none"
+
+
+def _profile_own(ranks: list, needle: str, field: str = "own_s_per_step") -> list[float]:
+    """Per rank, the named function's seconds per step in a bench_vs_torch.py profile (0 where not listed)."""
+    return [sum(f[field] for f in rank if needle in f["function"]) for rank in ranks]
+
+
+def vs_torch_profile_sentence(data: dict) -> str:
+    """The 1f1b profile of docs/results/vs_torch_cpu.json (cProfile per rank, seconds per step): ours' range over
+    the ranks for autograd's backward, the linear GEMMs, attention and GeLU, the largest relative difference
+    from torch's same rank, and the activation store's saved-tensor hook (cumulative, ours only)."""
+    prof = data["profiles"]["1f1b"]
+    parts, worst = [], 0.0
+    for needle, what in (("run_backward", "autograd's backward"), ("_nn.linear", "the linear GEMMs"),
+                         ("scaled_dot_product_attention", "attention"), ("_nn.gelu", "GeLU")):
+        ours, theirs = _profile_own(prof["ours"], needle), _profile_own(prof["torch"], needle)
+        worst = max([worst] + [abs(a / b - 1) for a, b in zip(ours, theirs) if b])
+        lo, hi = f"{min(ours):.2f}", f"{max(ours):.2f}"
+        parts.append(f"{lo if lo == hi else lo + '–' + hi} s in {what}")
+    hook = _profile_own(prof["ours"], "schedules/store.py:82", "cumulative_s_per_step")
+    return (f"{', '.join(parts)} per step and rank, the same on both sides within {pct(worst, 0)}; the one visible "
+            f"cost ours has that torch has not is the activation store's saved-tensor hook "
+            f"({min(hook):.3f}–{max(hook):.3f} s per step per rank cumulative)")
