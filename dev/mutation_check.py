@@ -136,6 +136,7 @@ COVERING: dict[str, list[str]] = {
                                         "tests/training/test_checkpointing.py",
                                         "tests/training/test_2bw_resume.py",
                                         "tests/reliability/test_faults.py",
+                                        "tests/training/test_batch_ramp.py",  # the rates each step reads (decoupled too)
                                         # the trace's clock notes (offsets and error bounds per rank)
                                         "tests/core/test_clock.py::test_ranks_line_up_in_the_trace_despite_a_shifted_clock",
                                         SAFETY],

@@ -185,3 +185,32 @@ def test_every_microbatch_count_of_the_ramp_is_validated_before_the_run():
     errors = validate_args(build_parser().parse_args(argv), world_size=2)
     assert len(errors) == 1 and errors[0].startswith(
         "--rampup-batch-size: the ramp's global batch 1 (1 microbatches per step): looped-bfs needs at least"), errors
+
+
+def test_the_decoupled_rate_is_read_where_the_rate_is(monkeypatch):
+    """--decoupled-lr's rate is the schedule's at the same position as the main rate (before the step, as
+    Megatron-LM's scheduler reads both): 0 at the first warm-up step, and per step what `LRSchedule` gives at
+    the samples consumed before it. Reading it one step late would give the embedding a non-zero first step."""
+    from megatron_pp.training.arguments import derive_args
+    from megatron_pp.training.optimizer import LRSchedule, TrainingOptimizer
+
+    seen: list[tuple[float, float]] = []
+    original = TrainingOptimizer.step
+
+    def recording(self, lr, decoupled_lr=None):
+        seen.append((lr, decoupled_lr))
+        return original(self, lr, decoupled_lr)
+
+    monkeypatch.setattr(TrainingOptimizer, "step", recording)
+    # Counted in iterations (a ramp counts in samples, where the iteration argument is not read).
+    argv = ["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "6", "--seed", "7", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style",
+            "cosine", "--min-lr", "1e-4", "--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"]
+    rows = pretrain(parse_args(argv))
+    schedule = LRSchedule.from_args(derive_args(build_parser().parse_args(argv), world_size=1))
+    assert seen[0] == (0.0, 0.0)
+    for (lr, decoupled), row in zip(seen, rows, strict=True):
+        before = row["consumed_samples"] - row["global_batch_size"]
+        assert lr == pytest.approx(schedule.learning_rate(row["iteration"] - 1, before), rel=1e-12, abs=1e-18)
+        assert decoupled == pytest.approx(schedule.decoupled_rate(row["iteration"] - 1, before), rel=1e-12, abs=1e-18)
+    assert max(d for _, d in seen) > max(lr for lr, _ in seen)  # the override is in effect
