@@ -404,6 +404,71 @@ def emulate_ratios_table(*reports: dict) -> str:
                   "step = m·(F+BI+BW) + bubble)"], out)
 
 
+def _span(values, fmt) -> str:
+    lo, hi = min(values), max(values)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} to {fmt(hi)}"
+
+
+def emulate_load(*reports: dict) -> str:
+    """The load averages the emulated grids ran at (every row's, and each file's start and end): 'a to b'."""
+    loads = [x for report in reports for x in (report["load_average_start"][0], report["load_average_end"][0])]
+    loads += [x for row in _emulate_rows(reports) for x in row["load_average"]]
+    return _span(loads, lambda x: f"{x:.0f}")
+
+
+def emulate_path_cost(*reports: dict) -> str:
+    """How close the costs on each measured critical path come to the simulated makespan: the largest
+    |path cost - simulated step| / simulated step over the rows, e.g. '6.2%'."""
+    rows = [r for r in _emulate_rows(reports) if r.get("critical_path_ms")]
+    worst = max(abs(r["critical_path_ms"]["cost"] / 1000 - r["simulated_step_s"]) / r["simulated_step_s"] for r in rows)
+    return pct(worst, 1)
+
+
+def emulate_gap(*reports: dict) -> str:
+    """The range of the rows' median executor gap between two compute actions of a rank, ms."""
+    return _span([r["executor_gap_ms"] for r in _emulate_rows(reports)], lambda x: f"{x:.2f}") + " ms"
+
+
+def emulate_over_cost(*reports: dict) -> str:
+    """In how many rows, per p, at least one compute action's own work exceeded its cost."""
+    rows = _emulate_rows(reports)
+    sizes = sorted({r["pp"] for r in rows})
+    return "; ".join(f"p = {pp}: {sum(sum(r.get('actions_over_cost', [])) > 0 for r in rows if r['pp'] == pp)} of "
+                     f"{sum(r['pp'] == pp for r in rows)} rows" for pp in sizes)
+
+
+def emulate_share(*reports: dict) -> str:
+    """The model's largest share of busy time in rows with no action over its cost, and over all rows."""
+    rows = _emulate_rows(reports)
+    clean = [r["model_share"] for r in rows if sum(r.get("actions_over_cost", [])) == 0]
+    return (f"at most {pct(max(clean), 0)} in the rows with no action over its cost" if clean else
+            "every row has an action over its cost") + f", up to {pct(max(r['model_share'] for r in rows), 0)} overall"
+
+
+def emulate_step_within(*reports: dict) -> str:
+    """Per p, the rows whose step alone is within 5% of the simulated makespan: 'p = 4: 44 of 52; ...'."""
+    rows = _emulate_rows(reports)
+    sizes = sorted({r["pp"] for r in rows})
+    return "; ".join(f"p = {pp}: {sum(abs(r['step_error']) <= 0.05 for r in rows if r['pp'] == pp)} of "
+                     f"{sum(r['pp'] == pp for r in rows)}" for pp in sizes)
+
+
+def _ratios_p8_up(reports) -> list[dict]:
+    return [r for report in reports for r in report["ratios"] if r["pp"] >= 8]
+
+
+def emulate_ratio_spread(*reports: dict) -> str:
+    """measured / simulated - 1 over the speed-claim ratios at p >= 8: 'from a to b'."""
+    errors = [r["measured"] / r["simulated"] - 1 for r in _ratios_p8_up(reports)]
+    return f"from {pct(min(errors), 0, sign=True)} to {pct(max(errors), 0, sign=True)}"
+
+
+def emulate_zb_h1_wins(*reports: dict) -> str:
+    """In how many measured (p >= 8, m, costs) pairs zb-h1's step was below 1f1b's: 'k of n'."""
+    pairs = [r for r in _ratios_p8_up(reports) if r["ratio"] == "zb-h1 / 1f1b"]
+    return f"{sum(r['measured'] < 1 for r in pairs)} of the {len(pairs)}"
+
+
 EMULATED = ("docs/results/emulate_p4.json", "docs/results/emulate_p8.json", "docs/results/emulate_p16.json")
 
 # docs/bpipe.md's estimator tables and the BPipe figures of docs/reproduction.md (they use the helpers above).
@@ -456,6 +521,14 @@ RENDERERS: dict = {
     "emulate-grid": (EMULATED, emulate_table),
     "emulate-targets": (EMULATED, emulate_targets),
     "emulate-ratios": (EMULATED, emulate_ratios_table),
+    "emulate-load": (EMULATED, emulate_load),
+    "emulate-path-cost": (EMULATED, emulate_path_cost),
+    "emulate-gap": (EMULATED, emulate_gap),
+    "emulate-over-cost": (EMULATED, emulate_over_cost),
+    "emulate-share": (EMULATED, emulate_share),
+    "emulate-ratio-spread": (EMULATED, emulate_ratio_spread),
+    "emulate-zb-h1-wins": (EMULATED, emulate_zb_h1_wins),
+    "emulate-step-within": (EMULATED, emulate_step_within),
     "schedule-build-growth": ("docs/results/schedule_build_constant_factors.json", bench.build_growth_sentence),
     "schedule-build-actions": ("docs/results/schedule_build_constant_factors.json", bench.build_actions),
     "plot-schedule-size": ("docs/results/plot_schedule_scale_linear_comm.json", bench.plot_size_sentence),
@@ -464,6 +537,7 @@ RENDERERS: dict = {
     "vs-torch-cpu-same": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("1f1b", "interleaved-1f1b")),
     "vs-torch-cpu-zb": ("docs/results/vs_torch_cpu.json", bench.vs_torch_cpu_sentence("zb-h1", "zb-v")),
     "vs-torch-identical": ("docs/results/vs_torch_cpu.json", bench.vs_torch_identical),
+    "vs-torch-profile": ("docs/results/vs_torch_cpu.json", bench.vs_torch_profile_sentence),
     "layered-traffic-sentence": ("docs/results/layered_traffic_cpu.json", bench.layered_traffic_sentence),
     "layered-weights-sentence": ("docs/results/layered_traffic_cpu.json", bench.layered_weights_sentence),
     "bpipe-acceptor-pairs": ("docs/results/bpipe_acceptor_cpu.json", bench.acceptor_pairs_sentence),
