@@ -75,6 +75,9 @@ def backend_needs(group: Optional[ProcessGroup] = None) -> BackendNeeds:
     name = backend_name(group).lower()
     if name in BACKEND_NEEDS:
         return BACKEND_NEEDS[name]
+    backends = {part.split(":")[-1] for part in name.split(",")}
+    if len(backends) == 1 and (only := backends.pop()) in BACKEND_NEEDS and BACKEND_NEEDS[only].device_type is None:
+        return BACKEND_NEEDS[only]  # one device-agnostic backend for every device type ("cpu:fake,meta:fake")
     if "nccl" in name:
         return BackendNeeds(None, batched_p2p=True, single_tensor_collectives=False)
     return _ANY_BACKEND

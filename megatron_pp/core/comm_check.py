@@ -120,7 +120,8 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     returns at once, nothing moves), torn down on exit so the next simulated rank gets a fresh world."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # CPU and meta tensors both go to the fake backend (batch_isend_irecv looks a backend up by device type).
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -69,6 +69,20 @@ def test_a_cpu_tensor_in_a_collective_of_a_meta_job_is_named(monkeypatch):
         dry_run.run_rank(args, 0, torch.device("meta"))
 
 
+def test_a_meta_job_runs_every_pipeline_rank_and_agrees():
+    """--dry-run-device meta at pp 2: point-to-point goes through batch_isend_irecv, which looks a backend up by
+    the tensors' device type, so the fake world serves meta as well as cpu (it once stopped at 'No backend type
+    associated with device type meta'); state bytes are the CPU run's, the calls match across ranks."""
+    argv = TINY + ["--pipeline-model-parallel-size", "2", "--dry-run", "2", "--dry-run-ranks", "all",
+                   "--dry-run-jobs", "1"]
+    meta, problems = dry_run.dry_run(parse_args(argv + ["--dry-run-device", "meta"]))
+    cpu, _ = dry_run.dry_run(parse_args(argv))
+    assert problems == [] and [r.pipeline_rank for r in meta] == [0, 1]
+    state = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
+    assert [[r.row()[k] for k in state] for r in meta] == [[r.row()[k] for k in state] for r in cpu]
+    assert all(r.row()["stash_peak_bytes"] > 0 for r in meta)
+
+
 def test_a_planted_mismatch_is_reported():
     send = CommEvent("send", (0, 1), 1, ((4, 2, 8),), "float32")
     recv = CommEvent("recv_", (0, 1), 0, ((4, 2, 16),), "float32")
