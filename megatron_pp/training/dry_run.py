@@ -40,6 +40,7 @@ from megatron_pp.core.comm_check import CommEvent, CommWatch, fake_world
 from megatron_pp.core.grads import unique_parameters
 from megatron_pp.core.parallel_state import ParallelState, RankLayout
 from megatron_pp.core.storage import storage_key
+from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
 from megatron_pp.training.layered import connect_optimizer
@@ -333,6 +334,10 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
     if uses_weight_versions(schedule):
         raise DryRunError(f"--dry-run: --pipeline-schedule {schedule.name} updates weights inside its action lists "
                           "(two weight versions); the dry run does not drive that loop yet")
+    if mode is not None and any(a.op is Op.EVICT for acts in schedule.actions for a in acts):
+        raise DryRunError(f"--dry-run: --pipeline-schedule {schedule.name} parks stashes on a partner, which reads "
+                          "their sizes from the wire, and the fake backend carries no data; the dry run does not "
+                          "drive evictions yet (tools/bpipe_dry_run.py estimates BPipe's peaks from 1F1B's dry run)")
     pipe = build_job_pipeline(args, config, state, schedule)
     optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     connect_optimizer(pipe.executor, optimizer)

@@ -168,6 +168,16 @@ def test_a_schedule_the_dry_run_cannot_drive_is_one_line_and_exit_2(capsys):
     assert len(lines) == 1 and lines[0].startswith("error: --dry-run: --pipeline-schedule 2bw"), lines
 
 
+def test_bpipe_with_evictions_is_one_line_and_exit_2_not_a_hang(capsys):
+    """At pp 4 BPipe evicts: the acceptor reads the stash sizes from the wire, which the fake backend cannot
+    carry (the dry run once spun there for ever); refused in one line, from the worker process too."""
+    args = parse_args(TINY + ["--pipeline-model-parallel-size", "4", "--num-layers", "4", "--pipeline-schedule",
+                              "bpipe", "--dry-run", "4", "--dry-run-ranks", "0,1", "--dry-run-jobs", "2"])
+    assert dry_run.main(args) == 2
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --dry-run: --pipeline-schedule bpipe parks stashes"), lines
+
+
 def test_offloaded_stashes_are_host_memory_to_the_byte_of_the_real_run():
     """PipeOffload (po-h, 4 chunks on one rank): the host buffers are counted apart from the device's peak, from
     live storages, equal to the byte on real and fake tensors; the fake run moves its stashes too (a fake
