@@ -381,12 +381,16 @@ def emulate_table(*reports: dict) -> str:
                   "actions over cost", "model share", "load average"], out)
 
 
+def _count_per_p(reports: tuple, holds, suffix: str = "") -> str:
+    """Per p, how many rows `holds` for: 'p = 4: 10 of 48<suffix>; p = 8: ...'."""
+    rows = _emulate_rows(reports)
+    return "; ".join(f"p = {pp}: {sum(bool(holds(r)) for r in rows if r['pp'] == pp)} of "
+                     f"{sum(r['pp'] == pp for r in rows)}{suffix}" for pp in sorted({r["pp"] for r in rows}))
+
+
 def emulate_targets(*reports: dict) -> str:
     """How many rows meet both targets, per p: 'p = 4: 10 of 48; p = 8: ...'."""
-    rows = _emulate_rows(reports)
-    sizes = sorted({r["pp"] for r in rows})
-    return "; ".join(f"p = {pp}: {sum(r['within_target'] for r in rows if r['pp'] == pp)} of "
-                     f"{sum(r['pp'] == pp for r in rows)}" for pp in sizes)
+    return _count_per_p(reports, lambda r: r["within_target"])
 
 
 def emulate_ratios_table(*reports: dict) -> str:
@@ -431,10 +435,7 @@ def emulate_gap(*reports: dict) -> str:
 
 def emulate_over_cost(*reports: dict) -> str:
     """In how many rows, per p, at least one compute action's own work exceeded its cost."""
-    rows = _emulate_rows(reports)
-    sizes = sorted({r["pp"] for r in rows})
-    return "; ".join(f"p = {pp}: {sum(sum(r.get('actions_over_cost', [])) > 0 for r in rows if r['pp'] == pp)} of "
-                     f"{sum(r['pp'] == pp for r in rows)} rows" for pp in sizes)
+    return _count_per_p(reports, lambda r: sum(r.get("actions_over_cost", [])) > 0, " rows")
 
 
 def emulate_share(*reports: dict) -> str:
@@ -447,10 +448,7 @@ def emulate_share(*reports: dict) -> str:
 
 def emulate_step_within(*reports: dict) -> str:
     """Per p, the rows whose step alone is within 5% of the simulated makespan: 'p = 4: 44 of 52; ...'."""
-    rows = _emulate_rows(reports)
-    sizes = sorted({r["pp"] for r in rows})
-    return "; ".join(f"p = {pp}: {sum(abs(r['step_error']) <= 0.05 for r in rows if r['pp'] == pp)} of "
-                     f"{sum(r['pp'] == pp for r in rows)}" for pp in sizes)
+    return _count_per_p(reports, lambda r: abs(r["step_error"]) <= 0.05)
 
 
 def _ratios_p8_up(reports) -> list[dict]:
