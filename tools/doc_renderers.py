@@ -620,6 +620,29 @@ def planner_vs_dry_run_table(data: dict) -> str:
 RENDERERS["planner-vs-dry-run"] = ("docs/results/planner_vs_dry_run_llama3_70b.json", planner_vs_dry_run_table)
 
 
+def _planner_gap(data: dict, phase: str) -> list[tuple[float, int]]:
+    """(1 - predicted / measured, measured - predicted bytes) of the ranks whose measured peak is in `phase`."""
+    return [(1 - r["predicted_over_measured"], r["measured_peak_bytes"] - r["predicted_peak_bytes"])
+            for result in data["results"] for r in result["ranks"] if r["measured_phase"] == phase]
+
+
+def planner_low_in_backward(data: dict) -> str:
+    """How low the planner is on the ranks that peak in the pipeline (backward): 'a% to b%'."""
+    gaps = sorted(g for g, _ in _planner_gap(data, "pipeline"))
+    lo, hi = pct(gaps[0], 1), pct(gaps[-1], 1)
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def planner_low_in_optimizer(data: dict) -> str:
+    """How low the planner is on the ranks that peak in the optimizer step: 'x MiB (y%)', the larger of them."""
+    gap, low = max(_planner_gap(data, "optimizer"))
+    return f"{mib(low, 1)} MiB ({pct(gap, 2)})"
+
+
+RENDERERS["planner-low-in-backward"] = ("docs/results/planner_vs_dry_run_llama3_70b.json", planner_low_in_backward)
+RENDERERS["planner-low-in-optimizer"] = ("docs/results/planner_vs_dry_run_llama3_70b.json", planner_low_in_optimizer)
+
+
 def bpipe_dry_run_table(*runs: dict) -> str:
     """tools/bpipe_dry_run.py at each p: per pipeline rank, 1F1B's stash peak from the dry run (GiB), BPipe's
     from the dry run where it ran, BPipe's simulated with those per-stage bytes, and BPipe over 1F1B's rank 0
