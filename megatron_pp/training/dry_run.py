@@ -306,7 +306,7 @@ def _not_in(tensors, others) -> list[torch.Tensor]:
 def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: int = 2) -> RankReport:
     """The job's code on global rank `rank` of a world of `args.dry_run`, on fake tensors."""
     world, started = args.dry_run, time.process_time()
-    with fake_world(rank, world):
+    with fake_world(rank, world, device.type):
         watch = CommWatch(device=device if device.type == "meta" else None)
         mode = TrackingFakeMode(watch)
         with mode:
