@@ -13,10 +13,10 @@ def test_each_evaluation_reads_the_next_block(monkeypatch):
     firsts = []
     original = step_data.TrainingData.microbatches
 
-    def recording(self, split, first_sample, dp_rank, device):
+    def recording(self, split, first_sample, dp_rank, device, *rest):
         if split is self.valid:
             firsts.append(first_sample)
-        return original(self, split, first_sample, dp_rank, device)
+        return original(self, split, first_sample, dp_rank, device, *rest)
 
     monkeypatch.setattr(step_data.TrainingData, "microbatches", recording)
     pretrain(parse_args(["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "2",
