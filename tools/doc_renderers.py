@@ -473,6 +473,7 @@ EMULATED = ("docs/results/emulate_p4.json", "docs/results/emulate_p8.json", "doc
 import doc_renderers_bpipe as bp  # noqa: E402
 import doc_renderers_glance as glance  # noqa: E402
 import doc_renderers_bench as bench  # noqa: E402
+import doc_renderers_traces as traces  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
 FULL = "docs/results/reproduce_full.json"
@@ -493,6 +494,18 @@ RENDERERS: dict = {
     "trace-vs-sim-loaded-iters11": (TRACES[1], trace_vs_sim_table),
     "trace-vs-sim-quiet": (TRACES[2:], trace_vs_sim_pair_table),
     "trace-clock-bound": (TRACES, trace_clock_bound),
+    "trace-loaded-within": (TRACES[0], traces.within_target),
+    "trace-loaded-iters11-within": (TRACES[1], traces.within_target),
+    "trace-loaded-spread": (TRACES[:2], traces.bubble_spread),
+    "trace-loaded-above": (TRACES[:2], traces.trace_above),
+    "trace-loaded-blocked": (TRACES[:2], traces.blocked_delay),
+    "trace-loaded-round-trip": (TRACES[:2], traces.link_round_trip),
+    "trace-loaded-executor-share": (TRACES[:2], traces.executor_share),
+    "trace-quiet-p2-errors": (TRACES[3], traces.errors_at(2)),
+    "trace-quiet-p2-within": (TRACES[2], traces.outside_target_at(2)),
+    "trace-quiet-blocked": (TRACES[2:], traces.blocked_delay),
+    "trace-quiet-p4-within": (TRACES[2], traces.within_at(4)),
+    "trace-quiet-p4-above": (TRACES[2:], traces.above_outside_first(4)),
     "trends-bpipe": ("docs/results/reproduce_bpipe.json", trends_of("bpipe")),
     "trends-bpipe-reeval": ("docs/results/reproduce_quick.json", trends_of("bpipe-reeval")),
     "trends-pipeoffload": ("docs/results/reproduce_quick.json", trends_of("pipeoffload")),
