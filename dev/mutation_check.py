@@ -213,7 +213,7 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/testing/__init__.py": ["tests/testing/test_interaction.py"],
     "megatron_pp/testing/interaction.py": ["tests/testing/test_interaction.py", "tests/training/test_interaction_matrix.py"],
     "megatron_pp/testing/matrix_plugin.py": ["tests/testing/test_interaction.py", "tests/training/test_interaction_matrix.py"],
-    "megatron_pp/training/dry_run.py": ["tests/training/test_dry_run.py"],
+    "megatron_pp/training/dry_run.py": ["tests/training/test_dry_run_tracker.py", "tests/training/test_dry_run.py"],
     "megatron_pp/training/dry_run_agree.py": ["tests/training/test_dry_run.py"],
     "megatron_pp/training/megatron_compat.py": ["tests/training/test_megatron_lm_scripts.py",
                                                 "tests/training/test_megatron_compat.py"],
