@@ -474,6 +474,7 @@ import doc_renderers_bpipe as bp  # noqa: E402
 import doc_renderers_glance as glance  # noqa: E402
 import doc_renderers_bench as bench  # noqa: E402
 import doc_renderers_traces as traces  # noqa: E402
+import doc_renderers_sim as sim  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
 FULL = "docs/results/reproduce_full.json"
@@ -506,6 +507,15 @@ RENDERERS: dict = {
     "trace-quiet-blocked": (TRACES[2:], traces.blocked_delay),
     "trace-quiet-p4-within": (TRACES[2], traces.within_at(4)),
     "trace-quiet-p4-above": (TRACES[2:], traces.above_outside_first(4)),
+    "sim-1f1b-bubble-p4-m8": ("docs/results/zero_bubble_sim_p4_m8.json", sim.bubble_of("1f1b")),
+    "sim-interleaved-bubble-p4-m8": ("docs/results/vshape_p4_m8.json", sim.bubble_of("interleaved-1f1b")),
+    "sim-interleaved-peak-p4-m8": ("docs/results/vshape_p4_m8.json", sim.rank0_peak_of("interleaved-1f1b")),
+    "sim-gis-h-peak-p4-m8-v4": ("docs/results/pipeoffload_sim_p4_m8.json",
+                                sim.peaks_against("gis-h", "interleaved-1f1b")),
+    "sim-gis-makespan-p4-m8-v4": ("docs/results/pipeoffload_sim_p4_m8.json",
+                                  sim.makespans_against("gis", "interleaved-1f1b")),
+    "sim-v-half-idle": (("docs/results/vshape_p4_m8.json", "docs/results/vshape_p8_m32.json",
+                         "docs/results/vshape_1f1b_p4_m8.json", "docs/results/vshape_1f1b_p8_m32.json"), sim.v_half_idle),
     "trends-bpipe": ("docs/results/reproduce_bpipe.json", trends_of("bpipe")),
     "trends-bpipe-reeval": ("docs/results/reproduce_quick.json", trends_of("bpipe-reeval")),
     "trends-pipeoffload": ("docs/results/reproduce_quick.json", trends_of("pipeoffload")),

@@ -161,6 +161,10 @@ def test_offload_takes_the_first_chunk_of_the_v(name):
     assert (0, 0) in moved  # rank 0's first chunk, stage 0, lives longest
     before, after = simulate(build_schedule(name, 4, 8, 2)), simulate(s)
     assert after.peak_stash[0] < before.peak_stash[0]
+    # The figures docs/schedules.md quotes (copies of 0.25 forward), makespans unchanged.
+    assert (before.peak_stash, after.peak_stash) == {"zb-v": ([8] * 4, [2, 4, 6, 7]),
+                                                     "v-half": ([6] * 4, [3, 4, 5, 6])}[name]
+    assert after.makespan == before.makespan
 
 
 def test_two_chunks_per_rank_by_default_and_one_line_errors():
