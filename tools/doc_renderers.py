@@ -516,6 +516,8 @@ RENDERERS: dict = {
                                   sim.makespans_against("gis", "interleaved-1f1b")),
     "sim-v-half-idle": (("docs/results/vshape_p4_m8.json", "docs/results/vshape_p8_m32.json",
                          "docs/results/vshape_1f1b_p4_m8.json", "docs/results/vshape_1f1b_p8_m32.json"), sim.v_half_idle),
+    "2bw-sim": (tuple(f"docs/results/2bw_sim_p{p}_m{m}.json" for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16))),
+                sim.two_bw_table),
     "trends-bpipe": ("docs/results/reproduce_bpipe.json", trends_of("bpipe")),
     "trends-bpipe-reeval": ("docs/results/reproduce_quick.json", trends_of("bpipe-reeval")),
     "trends-pipeoffload": ("docs/results/reproduce_quick.json", trends_of("pipeoffload")),

@@ -4,7 +4,7 @@ read the same JSON (tools/doc_renderers.py registers them).
 """
 from __future__ import annotations
 
-from doc_format import num, pct
+from doc_format import num, pct, table
 
 
 def _named(data, name: str) -> dict:
@@ -53,3 +53,17 @@ def v_half_idle(small: list, large: list, f1b_small: dict, f1b_large: dict) -> s
     return (f"{num(ours[0], 0)} time units at p = {sizes[0]} and {num(ours[1], 0)} at p = {sizes[1]}, against "
             f"1F1B's {num(theirs[0], 0)} and {num(theirs[1], 0)} ({num(ours[0] / theirs[0])} and "
             f"{num(ours[1] / theirs[1])} of it")
+
+
+def two_bw_table(*runs: dict) -> str:
+    """docs/2bw.md: per (p, m) the formulas the 2BW tests check against the simulator (1F1B's step
+    (m + p − 1)·3, 2BW's steady step m·3 at F = 1, B = 2) and the simulated makespan of `steps` unrolled 2BW
+    steps (warm-up and cool-down included) divided by `steps`."""
+    rows = []
+    for run in runs:
+        p, m, steps = run["num_ranks"], run["options"]["microbatches_per_step"], run["options"]["steps"]
+        flushed, steady = (m + p - 1) * 3, m * 3
+        rows.append([str(p), str(m), str(flushed), str(steady), num(flushed / steady),
+                     num(run["makespan"] / steps, 1)])
+    return table(["p", "m", "1F1B step (m+p−1)·3", "2BW steady step m·3", "ratio",
+                  f"2BW, {runs[0]['options']['steps']} steps incl. warm-up and cool-down, per step"], rows)
