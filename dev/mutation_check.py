@@ -7,7 +7,9 @@
     python dev/mutation_check.py --since 9821f81 --sample 24 --seed 1      # only lines changed since a commit
 
 Each mutant changes one spot of one module in a private copy of the repository (the working tree is
-never touched): a comparison flipped at its boundary (`<` <-> `<=`, `>` <-> `>=`, `==` <-> `!=`), an
+never touched; by default the copy is the committed HEAD, extracted with `git archive` when the run starts,
+so edits others make meanwhile, committed or not, never meet a mutant; `--worktree` copies the working tree
+as it is): a comparison flipped at its boundary (`<` <-> `<=`, `>` <-> `>=`, `==` <-> `!=`), an
 integer constant moved by +1 or -1, `and` <-> `or`, or a statement (a call, an assignment) replaced by
 `pass`. The tests that cover the module (`COVERING`) then run in a fresh pytest process with
 `-x`, under a per-mutant time limit; a failure or a time-out kills the mutant. Mutants inside
@@ -23,8 +25,8 @@ notes to a report without running anything. A full run takes hours on a small
 machine; `--sample N --seed S` runs a reproducible random subset.
 
 `--since COMMIT` plants mutants only on the lines a change added or rewrote: the lines `git diff -U0 -M
-COMMIT` marks as new in the working tree (a moved file counts only its edited lines; code moved between
-two files counts as new in the file it went to). So a round's changes are held to the standard of the
+COMMIT HEAD` marks as new (with `--worktree`, the working tree's). A moved file counts only its edited
+lines; code moved between two files counts as new in the file it went to. So a round's changes are held to the standard of the
 whole. The report then records the commit and the changed modules the map has no tests for
 (`changed_unmapped`), which no mutant can measure.
 """
@@ -365,10 +367,11 @@ def parse_changed_lines(diff: str) -> dict[str, set[int]]:
     return changed
 
 
-def changed_lines(root: str, commit: str) -> dict[str, set[int]]:
-    """`parse_changed_lines` of the working tree at `root` against `commit` (renames followed)."""
-    proc = subprocess.run(["git", "diff", "-U0", "-M", "--no-color", commit, "--", "."], cwd=root,
-                          capture_output=True, text=True)
+def changed_lines(root: str, commit: str, upto: Optional[str] = None) -> dict[str, set[int]]:
+    """`parse_changed_lines` of commit `upto` (default: the working tree) at `root` against `commit` (renames
+    followed)."""
+    proc = subprocess.run(["git", "diff", "-U0", "-M", "--no-color", commit, *([upto] if upto else []), "--", "."],
+                          cwd=root, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ValueError(f"--since {commit}: {' '.join(proc.stderr.split()) or 'git diff failed'}")
     return parse_changed_lines(proc.stdout)
@@ -377,6 +380,26 @@ def changed_lines(root: str, commit: str) -> dict[str, set[int]]:
 def on_changed_lines(mutants: Sequence[Mutant], changed: dict[str, set[int]]) -> list[Mutant]:
     """The mutants whose spot (their first line) is on a changed line of their module."""
     return [m for m in mutants if m.line in changed.get(m.path, ())]
+
+
+def committed_tree(root: str, into: str, commit: str = "HEAD") -> tuple[str, str]:
+    """(a directory holding `commit`'s tracked files, extracted from git, and the commit's hash). Others' edits
+    in the working tree, committed or not while a run goes on, never reach it: each mutant is planted in
+    committed code and the report's `at` is the tree that was measured."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=root, capture_output=True,
+                         text=True)
+    if sha.returncode != 0:
+        raise ValueError(f"{commit}: {' '.join(sha.stderr.split()) or 'not a commit'}")
+    sha_text = sha.stdout.strip()
+    dest = os.path.join(into, "tree")
+    os.makedirs(dest)
+    archive = subprocess.run(["git", "archive", "--format=tar", sha_text], cwd=root, capture_output=True, check=True)
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest, sha_text
 
 
 def _copy_tree(root: str, into: str) -> str:
@@ -507,6 +530,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="Print the number of mutants per module and stop.")
     parser.add_argument("--since", default=None, metavar="COMMIT",
                         help="Plant mutants only on lines changed since COMMIT (git diff -U0 -M COMMIT).")
+    parser.add_argument("--worktree", action="store_true",
+                        help="Mutate the working tree as it is, uncommitted edits included (default: the committed "
+                             "HEAD, extracted when the run starts).")
     parser.add_argument("--annotate", default=None, metavar="REPORT",
                         help="Run nothing: apply --notes to the survivors of REPORT and rewrite it.")
     args = parser.parse_args(argv)
@@ -531,11 +557,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--annotate {args.annotate}: {exc!r}")
         write_json(args.annotate, summary)
         return 0
-    mutants = all_mutants(ROOT, modules)
+    with tempfile.TemporaryDirectory(prefix="mutation-head-") as scratch:
+        if args.worktree:
+            return _run(args, parser, notes, modules, argv, ROOT, None)
+        try:
+            tree, head = committed_tree(ROOT, scratch)
+        except (ValueError, subprocess.CalledProcessError) as exc:
+            parser.error(f"the committed tree (use --worktree outside a git checkout): {exc}")
+        return _run(args, parser, notes, modules, argv, tree, head)
+
+
+def _run(args, parser, notes: dict, modules: Sequence[str], argv, tree: str, head: Optional[str]) -> int:
+    """main's run, list or draw over the modules of `tree` (the committed HEAD `head`, or the working tree)."""
+    mutants = all_mutants(tree, modules)
     unmapped: list[str] = []
     if args.since is not None:
         try:
-            changed = changed_lines(ROOT, args.since)
+            changed = changed_lines(ROOT, args.since, head)
         except ValueError as exc:
             parser.error(str(exc))
         mutants = on_changed_lines(mutants, changed)
@@ -564,11 +602,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.out and len(results) < len(mutants):
             write_json(args.out, {**report(results, notes, command), "partial": f"{len(results)} of {len(mutants)}"})
 
-    results = check(ROOT, mutants, args.timeout, on_result=partial)
+    results = check(tree, mutants, args.timeout, on_result=partial)
     summary = report(results, notes, command)
     if args.since is not None:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        summary = {**summary, "since": args.since, "at": head, "changed_unmapped": unmapped}
+        summary = {**summary, "since": args.since, "at": head or "working tree", "changed_unmapped": unmapped}
     print(f"{summary['killed']} of {summary['non_equivalent']} non-equivalent mutants killed "
           f"({summary['equivalent']} equivalent, {len(summary['survivors'])} survived)")
     if args.out:

@@ -137,3 +137,27 @@ def test_since_through_the_command_line(capsys):
     with pytest.raises(SystemExit) as info:
         mutation_check.main(["--since", "no-such-commit-here", "--list", *module])
     assert info.value.code == 2 and "--since no-such-commit-here" in capsys.readouterr().err
+
+
+def test_the_committed_tree_leaves_out_what_is_not_committed(tmp_path):
+    """Others edit the checkout while a run goes on: by default mutants are planted in HEAD as committed,
+    extracted at the start, and `--since` counts the lines changed up to that commit, not the working tree's."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "toy.py").write_text(TOY)
+    _git(repo, "add", "toy.py")
+    _git(repo, "commit", "-q", "-m", "toy")
+    base = TOY.replace("total = x + 1", "total = x + 2")
+    (repo / "toy.py").write_text(base)
+    _git(repo, "commit", "-q", "-am", "edit line 6")
+    (repo / "toy.py").write_text(base.replace("return total < 4", "return total < 7"))  # someone's unfinished edit
+    (repo / "scratch.py").write_text("x = 1\n")  # and an untracked file
+    tree, sha = mutation_check.committed_tree(str(repo), str(tmp_path / "out"))
+    assert sorted(os.listdir(tree)) == ["toy.py"]
+    assert open(os.path.join(tree, "toy.py")).read() == base
+    assert len(sha) == 40
+    assert mutation_check.changed_lines(str(repo), "HEAD~1", sha) == {"toy.py": {6}}
+    assert mutation_check.changed_lines(str(repo), "HEAD~1") == {"toy.py": {6, 8}}  # the working tree's view
+    with pytest.raises(ValueError, match="no-such-commit"):
+        mutation_check.committed_tree(str(repo), str(tmp_path / "out2"), "no-such-commit")
