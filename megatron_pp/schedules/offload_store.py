@@ -291,19 +291,16 @@ class OffloadStore(ActivationStore):
         if key in self._records:
             self._records[key].state = StashState.SAVED
 
-    def _on_device(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
-        """Whether a saved tensor is on the store's device: the tensor's device, not its storage's, which is
-        `meta` for a fake tensor (the dry run's), so a fake stash would never be moved."""
-        return t.device == self.device
-
     def pack(self, t: torch.Tensor, stash):
         packed = super().pack(t, stash)
         record = self._records.get(stash.key)
         if record is None:
             return packed
         storage = t.untyped_storage()
+        # On the store's device by the tensor's device, not its storage's: a fake tensor's (the dry run's)
+        # storage is on `meta`, so comparing storages would never move a fake stash.
         if (self.is_excluded(t) or storage.nbytes() <= self.min_numel * t.element_size()
-                or not self._on_device(t, storage)):
+                or t.device != self.device):
             return packed
         entry = record.storages.get(storage_key(storage))
         if entry is None:
