@@ -87,8 +87,8 @@ class Job:
     """(registered name, path) of schedules read from `--pipeline-schedule-file` (their commands name the file)."""
     optimizer_implementation: Optional[str] = None
     """How AdamW runs, which decides the optimizer step's transient (`memory.optimizer_step_transient_bytes`):
-    None = what the job picks on its device, `fused` on cuda and `foreach` on cpu; `foreach` for a cuda job
-    models what the dry run runs (its fake tensors are on the CPU, so the job's code picks foreach there)."""
+    None = what the job picks on its device, `fused` on cuda and `foreach` on cpu; set to compare with a dry
+    run that built the other kernel (`--dry-run-optimizer`; `planning.verify.optimizer_of`)."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:

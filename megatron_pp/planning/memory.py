@@ -415,8 +415,8 @@ def stage_state_bytes(config: TransformerConfig, spec: StageSpec, *, tp: int = 1
 
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach")
 """How the inner AdamW runs (`training.optimizer._make_inner_optimizer`): `fused` on CUDA (apex FusedAdam,
-else torch's fused AdamW: one in-place kernel), `foreach` elsewhere (torch's multi-tensor AdamW on CPU, and
-on the fake CPU or meta tensors of the dry run)."""
+else torch's fused AdamW: one in-place kernel), `foreach` elsewhere (torch's multi-tensor AdamW on CPU). The dry
+run builds `fused` on its fake CPU tensors unless `--dry-run-optimizer foreach` (and `foreach` on meta)."""
 
 
 def stage_vector_parameters_per_gpu(config: TransformerConfig, spec: StageSpec, tp: int = 1) -> int:

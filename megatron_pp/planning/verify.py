@@ -4,10 +4,10 @@ predicted (`tools/plan.py --verify N`, docs/planner.md "Against the dry run").
 `verify(job, cluster, prediction)` takes the flags the plan prints (`report.launch_flags`, plus mock data and
 two iterations), passes them through the training script's one check (`training.arguments.validate_args` at
 the plan's world size), and dry-runs the plan's worst pipeline rank (`training.dry_run.run_rank`: tp 0,
-dp 0 of that pipeline rank, in this process). The dry run's tensors are on the CPU, so the job's code runs
-foreach AdamW there where a GPU runs the fused kernel; the prediction it is compared with is therefore the
-same configuration evaluated with `optimizer_implementation="foreach"` (`compared_prediction`), and the
-plan's own figure is reported beside it.
+dp 0 of that pipeline rank, in this process). The dry run builds the AdamW kernel the plan's job runs
+(`--dry-run-optimizer`, the job's `optimizer`: fused for a cuda job, foreach for a cpu one), so the plan's own
+prediction is what it is compared with. A dry run made earlier is compared (`compare_dry_run`) with the kernel
+its rows say it built (`optimizer_of`: rows from before the rows named it ran foreach AdamW).
 """
 from __future__ import annotations
 
@@ -20,8 +20,19 @@ from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction
 
 MIB = 2 ** 20
 
-DRY_RUN_OPTIMIZER = "foreach"
-"""The AdamW implementation the dry run's code picks on its CPU (or meta) fake tensors."""
+DRY_RUN_OPTIMIZER = "fused"
+"""The AdamW kernel the dry run builds by default (`--dry-run-optimizer`): what a GPU job runs."""
+
+
+def optimizer_of(rows: Sequence[dict]) -> str:
+    """'fused' or 'foreach': the AdamW kernel a dry run's rows (`RankReport.row()`) built. Rows without
+    `optimizer_implementation` come from before `--dry-run-optimizer`, when the dry run's CPU tensors made
+    the job's code pick foreach."""
+    names = {r.get("optimizer_implementation") or "torch.optim.AdamW (foreach)" for r in rows}
+    kinds = {"foreach" if "foreach" in n else "fused" for n in names}
+    if len(kinds) != 1:
+        raise ValueError(f"the dry run's ranks built different optimizers: {sorted(names)}")
+    return kinds.pop()
 
 
 def dry_run_flags(job: Job, cluster: Cluster, c: Configuration, pipeline_rank: int) -> list[str]:
@@ -29,12 +40,14 @@ def dry_run_flags(job: Job, cluster: Cluster, c: Configuration, pipeline_rank: i
     from megatron_pp.planning.report import launch_flags
 
     return launch_flags(job, c) + ["--mock-data", "--train-iters", "2", "--dry-run", str(cluster.num_gpus),
-                                   "--dry-run-ranks", str(pipeline_rank * c.tp * c.dp)]
+                                   "--dry-run-ranks", str(pipeline_rank * c.tp * c.dp),
+                                   "--dry-run-optimizer", job.optimizer]
 
 
-def compared_prediction(job: Job, cluster: Cluster, c: Configuration) -> Prediction:
-    """`c` evaluated (exactly, no extrapolation in m) as the dry run runs it: foreach AdamW."""
-    same = dataclasses.replace(job, optimizer_implementation=DRY_RUN_OPTIMIZER)
+def compared_prediction(job: Job, cluster: Cluster, c: Configuration, optimizer: Optional[str] = None) -> Prediction:
+    """`c` evaluated exactly (no extrapolation in m) with the AdamW kernel the dry run built (default: the
+    job's own, which `dry_run_flags` asks the dry run to build)."""
+    same = dataclasses.replace(job, optimizer_implementation=optimizer or job.optimizer)
     return Evaluator(same, cluster).evaluate(c, exact=True)
 
 
@@ -73,20 +86,22 @@ def verify(job: Job, cluster: Cluster, plan_prediction: Prediction, device: str 
     flags = dry_run_flags(job, cluster, c, rank)
     out = {"configuration": c.label(), "pipeline_rank": rank, "flags": flags,
            "plan_peak_bytes": plan_prediction.memory_bytes[rank],
-           "plan_optimizer": job.optimizer, "compared_optimizer": DRY_RUN_OPTIMIZER}
+           "plan_optimizer": job.optimizer, "compared_optimizer": job.optimizer}
     args = build_parser().parse_args(flags)
     errors = validate_args(args, world_size=cluster.num_gpus, this_machine=False)
     if errors:
         return {**out, "refused": errors[0]}
     began = time.process_time()
     report = dry_run.run_rank(args, rank * c.tp * c.dp, torch.device(device))
-    return {**out, **compare_rank(predicted, report.row()), "cpu_seconds": time.process_time() - began}
+    row = report.row()
+    if optimizer_of([row]) != job.optimizer:  # the flag reached the optimizer, or the comparison is void
+        raise RuntimeError(f"the dry run built {row['optimizer_implementation']}, the plan runs {job.optimizer}")
+    return {**out, **compare_rank(predicted, row), "cpu_seconds": time.process_time() - began}
 
 
 def verify_lines(results: Sequence[dict]) -> list[str]:
     """The printed table: one row per verified plan (MiB)."""
-    lines = ["verify (dry run of each plan's worst pipeline rank; predicted with foreach AdamW, as the dry run "
-             "runs on CPU tensors):",
+    lines = ["verify (dry run of each plan's worst pipeline rank, building the plan's AdamW kernel):",
              f"{'#':>3} {'configuration':<48} {'rank':>4} {'measured':>9} {'predicted':>9} {'pred/meas':>9} "
              f"{'peak (measured / predicted)':<28} {'plan':>9}   (MiB)"]
     for i, r in enumerate(results, 1):
@@ -114,11 +129,13 @@ def verify_top(job: Job, cluster: Cluster, ranked: Sequence[Prediction], n: int,
 # A dry run already made: its command back to a planned configuration --------------------------------------
 
 
-def planned_from_flags(argv: Sequence[str], world: int, hardware: str = "h100-sxm") -> tuple[Job, Cluster, Configuration]:
+def planned_from_flags(argv: Sequence[str], world: int, hardware: str = "h100-sxm",
+                       optimizer: str = DRY_RUN_OPTIMIZER) -> tuple[Job, Cluster, Configuration]:
     """The planner's job, cluster and configuration of a training command (`pretrain_*.py` flags) run on
     `world` ranks: the inverse of `dry_run_flags` for what the planner models. bf16 jobs are planned as
     cuda jobs (Megatron-style numerics), fp32 ones as this repository's CPU path; flash-style attention
-    unless `--attention-backend reference`. Raises ValueError for what the planner does not model."""
+    unless `--attention-backend reference`; `optimizer` is the AdamW kernel the dry run built. Raises
+    ValueError for what the planner does not model."""
     from megatron_pp.planning.efficiency import HARDWARE_PROFILES
     from megatron_pp.training.arguments import model_config_from_args, parse_args
     from megatron_pp.training.job_schedule import job_schedule_options, num_chunks
@@ -135,7 +152,7 @@ def planned_from_flags(argv: Sequence[str], world: int, hardware: str = "h100-sx
     device = "cuda" if args.bf16 else "cpu"
     backend = "reference" if args.attention_backend == "reference" else ("flash" if device == "cuda" else "sdpa")
     job = Job(args.model_preset, config, args.global_batch_size, attention_backend=backend, device_type=device,
-              optimizer_implementation=DRY_RUN_OPTIMIZER)
+              optimizer_implementation=optimizer)
     recompute = args.recompute_granularity or "none"
     c = Configuration(tp=tp, pp=pp, dp=world // (tp * pp), micro_batch_size=args.micro_batch_size,
                       recompute=recompute, schedule=args.pipeline_schedule, num_chunks=num_chunks(args, config),
@@ -148,7 +165,7 @@ def compare_dry_run(command: str, world: int, ranks: Sequence[dict]) -> dict:
     """A dry run's rows (`--dry-run-json` or `tools/dry_run_table.py` ranks) beside the planner's prediction
     of the same command, per pipeline rank."""
     argv = command.split()[2:]  # "python pretrain_*.py ..."
-    job, cluster, c = planned_from_flags(argv, world)
+    job, cluster, c = planned_from_flags(argv, world, optimizer=optimizer_of(ranks))
     predicted = Evaluator(job, cluster).evaluate(c, exact=True)
     rows = sorted((compare_rank(predicted, r) for r in ranks), key=lambda r: r["pipeline_rank"])
     return {"command": command, "configuration": c.label(), "optimizer": job.optimizer, "ranks": rows}

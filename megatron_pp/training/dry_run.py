@@ -22,6 +22,7 @@ Worked example: `python pretrain_llama.py --model-preset llama3-70b --tensor-mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -221,6 +222,8 @@ class RankReport:
     """BPipe acceptor: the most device memory held at once for the partner's parked stashes (in `peak_bytes`)."""
     guest_at_peak_bytes: int = 0
     """BPipe acceptor: of `peak_bytes`, the partner's parked stashes (neither state, own stash nor transient)."""
+    optimizer_implementation: str = ""
+    """The optimizer the rank built (`TrainingOptimizer.implementation`), e.g. 'torch.optim.AdamW (fused)'."""
     step_seconds: list[float] = field(default_factory=list)
     """CPU seconds of each step (forward, backward and reduction through the executor, then the optimizer)."""
     comm: list[CommEvent] = field(default_factory=list, repr=False)
@@ -318,6 +321,17 @@ def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: i
         return report
 
 
+def _optimizer_config(args, device: torch.device) -> OptimizerConfig:
+    """The job's optimizer, with the AdamW kernel the job's GPU builds (`--dry-run-optimizer`, default fused):
+    the fake tensors are on the CPU, where the job's own choice would be foreach AdamW, whose step holds
+    sqrt(v) of a whole parameter group (4 bytes a parameter) that the fused kernel never allocates. On the
+    meta device torch's fused AdamW refuses the parameters (it checks their device type), so a meta dry run
+    builds foreach; `RankReport.optimizer_implementation` says which ran."""
+    wanted = getattr(args, "dry_run_optimizer", None) or "fused"
+    return dataclasses.replace(OptimizerConfig.from_args(args),
+                               adam_implementation="foreach" if device.type == "meta" else wanted)
+
+
 def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _LiveBytes,
          steps: int) -> RankReport:
     """Build and run the rank's job inside the tracker (and, for the dry run, the fake mode). With `mode`
@@ -339,7 +353,7 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
                           "their sizes from the wire, and the fake backend carries no data; the dry run does not "
                           "drive evictions yet (tools/bpipe_dry_run.py estimates BPipe's peaks from 1F1B's dry run)")
     pipe = build_job_pipeline(args, config, state, schedule)
-    optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
+    optimizer = build_optimizer(pipe.chunks, state, _optimizer_config(args, state.device))
     connect_optimizer(pipe.executor, optimizer)
     to_job = (lambda t: mode.from_tensor(t).to(state.device)) if mode is not None else (lambda t: t.to(state.device))
     batches = [{k: to_job(v) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in batches_real]
@@ -369,7 +383,8 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
         transient_peak_bytes=max(tracker.peak_bytes - persistent - at_peak[0] - at_peak[1], 0),
         peak_bytes=tracker.peak_bytes, peak_at=tracker.peak_at, seconds=0.0, step_seconds=step_seconds,
         host_bytes=tracker.host_bytes, host_peak_bytes=tracker.host_peak_bytes,
-        guest_peak_bytes=tracker.guest_peak_bytes, guest_at_peak_bytes=at_peak[1])
+        guest_peak_bytes=tracker.guest_peak_bytes, guest_at_peak_bytes=at_peak[1],
+        optimizer_implementation=getattr(optimizer, "implementation", ""))
 
 
 # The command ---------------------------------------------------------------------------------------------

@@ -118,6 +118,9 @@ def add_dry_run_args(parser: argparse.ArgumentParser) -> None:
     dry.add_argument("--dry-run-json", default=None, metavar="FILE", help="Write one JSON object per rank.")
     dry.add_argument("--dry-run-device", choices=("cpu", "meta"), default="cpu",
                      help="Device of the fake tensors: meta also checks every collective's tensors are on it.")
+    dry.add_argument("--dry-run-optimizer", choices=("fused", "foreach"), default="fused",
+                     help="AdamW kernel the dry run builds: fused (default: what a GPU job runs, torch's fused "
+                          "kernel standing for apex's, both in place) or foreach (what a CPU job runs).")
     dry.add_argument("--dry-run-jobs", type=int, default=None, metavar="N",
                      help="Worker processes running the chosen ranks (default: one per usable core, at most one "
                           "per rank; 1: one after another in this process).")

@@ -245,6 +245,9 @@ class OptimizerConfig:
     decoupled_lr: Optional[float] = None
     """--decoupled-lr: the word embedding and output layer step in groups of their own, whose LR
     `step(lr, decoupled_lr)` sets apart (the parameters tagged `is_embedding_or_output_parameter`)."""
+    adam_implementation: Optional[str] = None
+    """AdamW's kernel: None = what the device runs (fused on CUDA, foreach elsewhere); `fused` or `foreach`
+    forces one (torch has both on the CPU). The dry run sets it to what the job's GPU would build."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -278,6 +281,8 @@ class OptimizerConfig:
         elif strategy != "no_shard" and not self.use_distributed_optimizer:
             problems.append(f"--data-parallel-sharding-strategy {strategy} shards the optimizer: it needs "
                             "--use-distributed-optimizer")
+        if self.adam_implementation not in (None, "fused", "foreach"):
+            problems.append(f"AdamW implementation {self.adam_implementation!r} is not one of fused, foreach")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -545,15 +550,19 @@ def _make_inner_optimizer(
     groups: list[dict], config: OptimizerConfig, device: torch.device
 ) -> tuple[torch.optim.Optimizer, str]:
     """(optimizer over the fp32 main weights, a name for logs): apex FusedAdam on CUDA when apex is
-    installed, else torch's AdamW (fused kernel on CUDA, multi-tensor foreach elsewhere), or SGD."""
+    installed, else torch's AdamW (fused kernel on CUDA, multi-tensor foreach elsewhere), or SGD.
+    `config.adam_implementation` forces torch's fused or foreach kernel on any device (the dry run's fake
+    CPU tensors run the fused kernel a GPU job runs)."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
                                weight_decay=config.weight_decay, foreach=True), "torch.optim.SGD"
     adam = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                 weight_decay=config.weight_decay)
-    fused_adam = _apex_fused_adam() if device.type == "cuda" else None
+    if config.adam_implementation == "foreach" or (config.adam_implementation is None and device.type != "cuda"):
+        return torch.optim.AdamW(groups, foreach=True, **adam), "torch.optim.AdamW (foreach)"
+    if config.adam_implementation == "fused" and device.type != "cuda":
+        return torch.optim.AdamW(groups, fused=True, **adam), "torch.optim.AdamW (fused)"
+    fused_adam = _apex_fused_adam()
     if fused_adam is not None:
         return fused_adam(groups, adam_w_mode=True, **adam), "apex.optimizers.FusedAdam"
-    if device.type == "cuda":
-        return torch.optim.AdamW(groups, fused=True, **adam), "torch.optim.AdamW (fused)"
-    return torch.optim.AdamW(groups, foreach=True, **adam), "torch.optim.AdamW (foreach)"
+    return torch.optim.AdamW(groups, fused=True, **adam), "torch.optim.AdamW (fused)"

@@ -20,7 +20,6 @@ from megatron_pp.planning.job import Cluster, Configuration, Job
 from megatron_pp.planning.memory import (optimizer_step_transient_bytes, stage_parameters_per_gpu,
                                          stage_vector_parameters_per_gpu, state_bytes_per_parameter)
 from megatron_pp.training import dry_run
-from megatron_pp.training import optimizer as optimizer_module
 from megatron_pp.training.arguments import model_config_from_args, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +80,9 @@ def _counts(argv: list[str]) -> tuple[int, int]:
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]])
 def test_foreach_adamw_holds_sqrt_v_of_the_larger_group_to_the_byte(monkeypatch, precision):
-    argv = TINY + ["--global-batch-size", "2"] + precision
+    argv = TINY + ["--global-batch-size", "2", "--dry-run-optimizer", "foreach"] + precision
     above, report = _step_transients(monkeypatch, argv, 1)
+    assert report.optimizer_implementation == "torch.optim.AdamW (foreach)"  # --dry-run-optimizer foreach
     params, vectors = _counts(argv)
     assert report.parameter_bytes == params * (2 if precision else 4)  # the planner's count is the model's
     predicted = optimizer_step_transient_bytes(params, vectors, param_bytes=2 if precision else 4,
@@ -93,7 +93,8 @@ def test_foreach_adamw_holds_sqrt_v_of_the_larger_group_to_the_byte(monkeypatch,
 @pytest.mark.parametrize("precision", [[], ["--bf16"]])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_distributed_optimizer_holds_every_gathered_bucket_at_once(monkeypatch, precision, dp):
-    argv = TINY + ["--global-batch-size", str(2 * dp), "--use-distributed-optimizer"] + precision
+    argv = TINY + ["--global-batch-size", str(2 * dp), "--use-distributed-optimizer", "--dry-run-optimizer",
+                   "foreach"] + precision
     above, report = _step_transients(monkeypatch, argv, dp)
     params, vectors = _counts(argv)
     param_bytes = 2 if precision else 4
@@ -105,21 +106,25 @@ def test_distributed_optimizer_holds_every_gathered_bucket_at_once(monkeypatch, 
     assert above[1] == predicted == param_bytes * params * (1 + 1 / dp)
 
 
-def test_fused_adamw_allocates_nothing(monkeypatch):
-    """The kernel a CUDA job runs (torch's fused AdamW; apex's FusedAdam is in place too), here on the CPU."""
-    def fused(groups, config, device):
-        return torch.optim.AdamW(groups, lr=config.lr, fused=True), "torch.optim.AdamW (fused)"
-    monkeypatch.setattr(optimizer_module, "_make_inner_optimizer", fused)
-    argv = TINY + ["--global-batch-size", "2"]
-    above, _ = _step_transients(monkeypatch, argv, 1)
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_adamw_allocates_nothing_on_real_and_on_fake_tensors(monkeypatch, world):
+    """The kernel a CUDA job runs (torch's fused AdamW; apex's FusedAdam is in place too), which the dry run
+    builds by default: on the CPU for real (world 1) and on fake tensors (world 2, dp 2, no distributed
+    optimizer), the step holds nothing beside the state but the gradient norm's scalars and Adam's step
+    counters, against 4 bytes a parameter for foreach."""
+    argv = TINY + ["--global-batch-size", str(2 * world)]
+    above, report = _step_transients(monkeypatch, argv, world)
+    assert report.optimizer_implementation == "torch.optim.AdamW (fused)"
     params, vectors = _counts(argv)
     assert optimizer_step_transient_bytes(params, vectors, param_bytes=4, implementation="fused") == 0
-    assert above[1] < 256  # the gradient norm's scalars (40 bytes here), against 4 bytes a parameter for foreach
+    assert above[1] < 256, above  # 40 bytes here; foreach: 4 * (params - vectors), over 400 KiB
+    assert 4 * (params - vectors) > 400 * 1024
 
 
 def test_a_tiny_real_run_peaks_in_the_optimizer_step_where_the_planner_says(monkeypatch):
-    """gpt-tiny, seq 16, one process, fp32 on CPU: activations are small, so the peak is state + sqrt(v)."""
-    argv = TINY + ["--global-batch-size", "2"]
+    """gpt-tiny, seq 16, one process, fp32 on CPU (foreach AdamW, as a CPU job builds it): activations are
+    small, so the peak is state + sqrt(v)."""
+    argv = TINY + ["--global-batch-size", "2", "--dry-run-optimizer", "foreach"]
     _, report = _step_transients(monkeypatch, argv, 1)
     args = parse_args(argv + ["--dry-run", "1"])
     job = Job("gpt-tiny", model_config_from_args(args), 2, attention_backend="sdpa", device_type="cpu")

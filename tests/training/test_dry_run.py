@@ -36,6 +36,8 @@ def test_dry_run_equals_the_real_run_to_the_byte():
     assert abs(fake.peak_bytes - real.peak_bytes) <= 0.001 * real.peak_bytes
     assert fake.stash_peak_bytes > 0 and fake.optimizer_bytes == 2 * fake.parameter_bytes  # Adam's two moments
     assert fake.peak_at == real.peak_at
+    # Both built the AdamW kernel a GPU job runs (--dry-run-optimizer's default), torch's fused one on the CPU.
+    assert fake.optimizer_implementation == real.optimizer_implementation == "torch.optim.AdamW (fused)"
 
 
 def test_pipeline_ranks_agree_and_last_rank_peaks_lower_under_1f1b():
