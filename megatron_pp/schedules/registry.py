@@ -137,9 +137,12 @@ def options_from_args(args: object, name: str) -> dict:
     return given
 
 
-def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
-                   **options: object) -> Schedule:
-    """Generator -> communication pass -> validation. Raises ValueError (ScheduleError for rule breaks)."""
+def generate_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+                      **options: object) -> Schedule:
+    """The registered builder's compute-level lists (generator and its passes), checked for the sizes asked
+    for, without communication or validation: what `build_schedule` starts from, and what a check that only
+    needs the generator's refusals runs (the batch-size ramp-up's other microbatch counts). Raises
+    ValueError."""
     entry = get_schedule(name)
     if num_chunks != 1 and not entry.supports_virtual:
         raise ValueError(f"pipeline schedule {entry.name!r} has no virtual stages, but {num_chunks} chunks per "
@@ -159,7 +162,13 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks:
     if got != (num_ranks, num_microbatches * schedule.options.get("steps", 1), num_chunks):
         raise ValueError(f"builder of {entry.name!r} returned a schedule for (ranks, microbatches, chunks) = "
                          f"{got}, asked for {(num_ranks, num_microbatches, num_chunks)}")
-    schedule = insert_communication(dataclasses.replace(schedule, name=entry.name))
+    return dataclasses.replace(schedule, name=entry.name)
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+                   **options: object) -> Schedule:
+    """Generator -> communication pass -> validation. Raises ValueError (ScheduleError for rule breaks)."""
+    schedule = insert_communication(generate_schedule(name, num_ranks, num_microbatches, num_chunks, **options))
     validate(schedule)
     return schedule
 

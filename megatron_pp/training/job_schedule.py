@@ -111,23 +111,29 @@ def build_job_schedule(args: argparse.Namespace, data_parallel_size: int, num_ch
 def check_ramp_sizes(args: argparse.Namespace, data_parallel_size: int, num_chunks: Optional[int],
                      counts: list[int]) -> None:
     """The batch-size ramp-up's microbatch counts, checked before the run: the smallest is built and validated
-    as the main list is, and every count runs the schedule's generator, whose refusals (too few microbatches,
-    a count that is not a multiple of the group size, a schedule file made for another count) are the ones a
-    count can meet. Each count's list is built and validated in full when the job first reaches it
-    (`Pipeline.executor_for`): building them all here costs about a second per count of a GPT-3 ramp at
-    pp 16. Raises ValueError naming the count."""
-    from megatron_pp.schedules.registry import get_schedule
+    as the main list is, and every count runs the schedule's generator (`registry.generate_schedule`, what
+    `build_schedule` starts from), whose refusals (too few microbatches, a count that is not a multiple of
+    the group size, a schedule file made for another count) are the ones a count can meet. Each count's list
+    is built and validated in full when the job first reaches it (`Pipeline.executor_for`): building them
+    all here costs about a second per count of a GPT-3 ramp at pp 16. A list with weight versions (2BW, or
+    a plugin's or file's list like it) is refused: its steps overlap without a flush, so it has one count.
+    Raises ValueError naming the count."""
+    from megatron_pp.schedules.registry import generate_schedule
+    from megatron_pp.schedules.runtime import runtime_needs
 
     for i, m in enumerate(sorted(counts)):
+        batch = m * args.micro_batch_size * data_parallel_size
         try:
             if i == 0 or getattr(args, "pipeline_schedule_file", None):
-                build_job_schedule(args, data_parallel_size, num_chunks, num_microbatches=m)
+                schedule = build_job_schedule(args, data_parallel_size, num_chunks, num_microbatches=m)
+                if runtime_needs(schedule).weight_versions:
+                    raise ValueError(f"{schedule_source(args)} runs on two weight versions, its optimizer steps "
+                                     "overlapping without a flush, so every step needs the same microbatch count; "
+                                     "a ramp-up is not supported with it")
                 continue
-            entry = get_schedule(args.pipeline_schedule)
-            sizes = (args.pipeline_model_parallel_size, m) + ((num_chunks or 1,) if entry.supports_virtual else ())
-            entry.builder(*sizes, **job_schedule_options(args))
+            generate_schedule(args.pipeline_schedule, args.pipeline_model_parallel_size, m, num_chunks or 1,
+                              **job_schedule_options(args))
         except ValueError as exc:
-            batch = m * args.micro_batch_size * data_parallel_size
             raise ValueError(f"--rampup-batch-size: the ramp's global batch {batch} ({m} microbatches per step): "
                              f"{' '.join(str(exc).split())}") from exc
 
