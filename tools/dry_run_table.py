@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from megatron_pp.planning.cost import Evaluator  # noqa: E402
-from megatron_pp.planning.efficiency import HARDWARE_PROFILES  # noqa: E402
-from megatron_pp.planning.job import Cluster, Configuration, Job  # noqa: E402
+from megatron_pp.core.parallel_state import RankLayout  # noqa: E402
+from megatron_pp.planning.verify import planned_from_flags  # noqa: E402
 from megatron_pp.training import dry_run  # noqa: E402
-from megatron_pp.training.arguments import model_config_from_args, parse_args  # noqa: E402
+from megatron_pp.training.arguments import parse_args  # noqa: E402
 
 # name -> (preset, tp, pp, schedule, micro batch, global batch, seq, extra flags)
 CONFIGS = {
@@ -37,48 +37,80 @@ CONFIGS = {
                                ["--num-layers-per-virtual-pipeline-stage", "5"]),
     "llama3-70b-zb-h1": ("llama3-70b", 8, 8, "zb-h1", 1, 64, 4096, []),
     "gpt3-175b-1f1b": ("gpt3-175b", 8, 16, "1f1b", 1, 64, 2048, []),
+    # Other schedule families at full size: m 16 = 2p (a 1F1B rank's stash peak is the same for any m >= p).
+    "llama3-70b-gpipe": ("llama3-70b", 8, 8, "gpipe", 1, 16, 4096, []),
+    "llama3-70b-recompute-full": ("llama3-70b", 8, 8, "1f1b", 1, 16, 4096,
+                                  ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-num-layers", "1"]),
+    "llama3-70b-recompute-selective": ("llama3-70b", 8, 8, "1f1b", 1, 16, 4096,
+                                       ["--recompute-granularity", "selective"]),
+    "llama3-70b-po-h": ("llama3-70b", 8, 8, "po-h", 1, 16, 4096,
+                        ["--num-layers-per-virtual-pipeline-stage", "5", "--offload-time", "0.25"]),
+    "llama3-70b-dp2-zero1": ("llama3-70b", 8, 8, "1f1b", 1, 32, 4096, ["--use-distributed-optimizer"]),
+    "llama3-70b-looped-bfs-layered": ("llama3-70b", 8, 8, "looped-bfs", 1, 32, 4096,
+                                      ["--num-layers-per-virtual-pipeline-stage", "5",
+                                       "--breadth-first-microbatches", "8", "--layered-grad-accumulation",
+                                       "--use-distributed-optimizer"]),
 }
+DATA_PARALLEL = {"llama3-70b-dp2-zero1": 2, "llama3-70b-looped-bfs-layered": 2}
+"""Configurations run at dp > 1 (the world is tp x pp x dp); the rest at dp 1."""
 
 
 def argv_of(name: str) -> list[str]:
     preset, tp, pp, schedule, b, gbs, seq, extra = CONFIGS[name]
+    world = tp * pp * DATA_PARALLEL.get(name, 1)
     return ["--model-preset", preset, "--mock-data", "--bf16", "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--pipeline-schedule", schedule,
             "--micro-batch-size", str(b), "--global-batch-size", str(gbs), "--seq-length", str(seq),
             "--max-position-embeddings", str(seq), "--attention-dropout", "0", "--hidden-dropout", "0",
-            "--sequence-parallel", "--train-iters", "2", "--dry-run", str(tp * pp), *extra]
+            "--sequence-parallel", "--train-iters", "2", "--dry-run", str(world), *extra]
 
 
-def planner_row(args: argparse.Namespace, num_chunks: int) -> dict:
-    """The planner's per-pipeline-rank bytes for the same configuration (H100 80 GB, flash attention)."""
-    config = model_config_from_args(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    job = Job(args.model_preset, config, args.global_batch_size, attention_backend="flash")
-    cluster = Cluster(tp * pp, HARDWARE_PROFILES["h100-sxm"])
-    c = Configuration(tp=tp, pp=pp, dp=1, micro_batch_size=args.micro_batch_size, recompute="none",
-                      schedule=args.pipeline_schedule, num_chunks=num_chunks)
+def planner_row(argv: list[str], world: int, optimizer: str) -> dict:
+    """The planner's per-pipeline-rank bytes for the same command (`planning.verify.planned_from_flags`:
+    H100 80 GB, flash-style attention, the command's recomputation, dp, distributed optimizer and schedule
+    options, the AdamW kernel the dry run builds)."""
+    job, cluster, c = planned_from_flags(argv, world, optimizer=optimizer)
     p = Evaluator(job, cluster).evaluate(c, exact=True)
-    return {"state_bytes": list(p.state_bytes), "stash_bytes": list(p.stash_bytes),
-            "transient_bytes": p.transient_bytes, "memory_bytes": list(p.memory_bytes),
+    return {"configuration": c.label(), "optimizer": job.optimizer, "state_bytes": list(p.state_bytes),
+            "stash_bytes": list(p.stash_bytes), "transient_bytes": p.transient_bytes,
+            "optimizer_step_bytes": list(p.optimizer_step_bytes), "memory_bytes": list(p.memory_bytes),
+            "peak_phase": [p.peak_phase(r) for r in range(c.pp)],
             "reserve_note": "memory_bytes excludes the planner's reserved fraction of the device"}
+
+
+def script_of(name: str) -> str:
+    return "pretrain_gpt.py" if CONFIGS[name][0].startswith("gpt") else "pretrain_llama.py"
+
+
+def pipeline_ranks_to_global(name: str, pipeline_ranks: str) -> str:
+    """--pipeline-ranks 0,7 -> the global ranks of tp 0, dp 0 of those pipeline ranks (as --dry-run-ranks)."""
+    _, tp, pp, *_ = CONFIGS[name]
+    world = tp * pp * DATA_PARALLEL.get(name, 1)
+    layout = RankLayout(world, tp, pp)
+    wanted = {int(r) for r in pipeline_ranks.split(",")}
+    bad = sorted(r for r in wanted if not 0 <= r < pp)
+    if bad:
+        raise ValueError(f"--pipeline-ranks: {bad[0]} is not a pipeline rank of {name} (0..{pp - 1})")
+    return ",".join(str(g) for g in range(world)
+                    if (c := layout.coords(g)).pp in wanted and c.tp == 0 and c.dp == 0)
 
 
 def run(name: str, ranks: str | None, on_rank=lambda partial: None, jobs: int | None = None) -> dict:
     """Dry-run `name`'s ranks in `jobs` worker processes (`dry_run.run_ranks`; `on_rank` sees the partial
     result after each rank, so a long run that is stopped keeps what it measured), then match their
     communication over all of them and ask the planner."""
-    from megatron_pp.training.arguments import num_chunks
     from megatron_pp.training.dry_run_agree import disagreements
 
     argv = argv_of(name) + (["--dry-run-ranks", ranks] if ranks else [])
     args = parse_args(argv)
     try:
-        planner = planner_row(args, num_chunks(args, model_config_from_args(args)))
+        planner = planner_row(argv_of(name), args.dry_run, args.dry_run_optimizer)
     except Exception as err:  # noqa: BLE001 - a schedule the planner cannot model is reported, not fatal
         planner = {"error": f"{type(err).__name__}: {err}"}
     chosen = dry_run.chosen_ranks(args)
     jobs = dry_run.default_jobs(len(chosen)) if jobs is None else jobs
-    result = {"name": name, "command": "python pretrain_llama.py " + " ".join(argv), "ranks": [],
+    result = {"name": name, "command": f"python {script_of(name)} " + " ".join(argv), "ranks": [],
               "disagreements": [], "planner": planner, "jobs": jobs, "cpu_seconds": 0.0, "wall_seconds": 0.0,
               "load_average_before": list(os.getloadavg())}
     began = time.perf_counter()
@@ -119,6 +151,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--ranks", default=None, help="--dry-run-ranks for every configuration (default: one per pp rank)")
+    parser.add_argument("--pipeline-ranks", default=None, metavar="R,R,...",
+                        help="pipeline ranks to run (tp 0, dp 0 of each), instead of --ranks")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--jobs", type=int, default=None,
                         help="worker processes per configuration (default: one per usable core, at most one per rank)")
@@ -130,6 +164,15 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         print(f"error: --configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})", file=sys.stderr)
+        return 2
+    if args.ranks and args.pipeline_ranks:
+        print("error: --ranks and --pipeline-ranks: give one", file=sys.stderr)
+        return 2
+    try:
+        ranks = {n: pipeline_ranks_to_global(n, args.pipeline_ranks) if args.pipeline_ranks else args.ranks
+                 for n in names}
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     results: list[dict] = []
 
@@ -147,7 +190,7 @@ def main(argv=None) -> int:
                 "results": results + [partial]}, indent=1))
 
     for name in names:
-        results.append(run(name, args.ranks, write, args.jobs))
+        results.append(run(name, ranks[name], write, args.jobs))
     print(markdown(results))
     write(results.pop())
     return 0

@@ -153,12 +153,31 @@ def planned_from_flags(argv: Sequence[str], world: int, hardware: str = "h100-sx
     backend = "reference" if args.attention_backend == "reference" else ("flash" if device == "cuda" else "sdpa")
     job = Job(args.model_preset, config, args.global_batch_size, attention_backend=backend, device_type=device,
               optimizer_implementation=optimizer)
-    recompute = args.recompute_granularity or "none"
+    recompute, options = _planned_recompute(args, job_schedule_options(args))
     c = Configuration(tp=tp, pp=pp, dp=world // (tp * pp), micro_batch_size=args.micro_batch_size,
                       recompute=recompute, schedule=args.pipeline_schedule, num_chunks=num_chunks(args, config),
-                      options=tuple(sorted(job_schedule_options(args).items())),
+                      options=tuple(sorted(options.items())),
                       distributed_optimizer=bool(args.use_distributed_optimizer))
     return job, Cluster(world, HARDWARE_PROFILES[hardware]), c
+
+
+def _planned_recompute(args, options: dict) -> tuple[str, dict]:
+    """The planner's recompute option and schedule options for the job's flags. The planner's `full` keeps
+    each layer's input and reruns that one layer (`--recompute-method uniform --recompute-num-layers 1`); a
+    schedule that checkpoints layer inputs by default (looped-bfs: `training.layered.schedule_recompute`) runs
+    exactly that when no `--recompute-granularity` is given, and the planner names it `full`."""
+    from megatron_pp.schedules.registry import get_schedule
+
+    recompute = args.recompute_granularity
+    if recompute == "full" and (args.recompute_method or "uniform", args.recompute_num_layers or 1) != ("uniform", 1):
+        raise ValueError("the planner models full recomputation one layer at a time (--recompute-method uniform "
+                         "--recompute-num-layers 1)")
+    options = dict(options)
+    if "checkpoint_layer_inputs" in get_schedule(args.pipeline_schedule).options:
+        if recompute is None and options.get("checkpoint_layer_inputs", True):
+            recompute = "full"
+        options.pop("checkpoint_layer_inputs", None)
+    return recompute or "none", options
 
 
 def compare_dry_run(command: str, world: int, ranks: Sequence[dict]) -> dict:
