@@ -36,6 +36,9 @@ CONFIGS = {
     "llama3-70b-interleaved": ("llama3-70b", 8, 8, "interleaved-1f1b", 1, 64, 4096,
                                ["--num-layers-per-virtual-pipeline-stage", "5"]),
     "llama3-70b-zb-h1": ("llama3-70b", 8, 8, "zb-h1", 1, 64, 4096, []),
+    # The V shapes: stages r and 15 - r on rank r, 80 / 16 = 5 layers each.
+    "llama3-70b-zb-v": ("llama3-70b", 8, 8, "zb-v", 1, 64, 4096, ["--num-layers-per-virtual-pipeline-stage", "5"]),
+    "llama3-70b-v-half": ("llama3-70b", 8, 8, "v-half", 1, 64, 4096, ["--num-layers-per-virtual-pipeline-stage", "5"]),
     "gpt3-175b-1f1b": ("gpt3-175b", 8, 16, "1f1b", 1, 64, 2048, []),
     # Other schedule families at full size: m 16 = 2p (a 1F1B rank's stash peak is the same for any m >= p).
     "llama3-70b-gpipe": ("llama3-70b", 8, 8, "gpipe", 1, 16, 4096, []),
