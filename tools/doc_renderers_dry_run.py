@@ -1,5 +1,6 @@
-"""Renderers of docs/dry_run.md (registered in tools/doc_renderers.py): the per-rank table and the timing
-sentence of a `tools/dry_run_table.py` JSON."""
+"""Renderers of docs/dry_run.md and docs/planner.md (registered in tools/doc_renderers.py): the per-rank table
+and the timing sentence of a `tools/dry_run_table.py` JSON, and the planner beside the dry runs of several
+configurations (`tools/validate_planner.py --dry-run-json`)."""
 from __future__ import annotations
 
 from doc_format import num, table
@@ -38,3 +39,17 @@ def dry_run_time_sentence(data: dict) -> str:
             f"{num(max(per_rank), 1)} per rank), {num(res['wall_seconds'], 1)} s wall with {res['jobs']} workers, "
             f"load average {num(res['load_average_before'][0], 1)} before and "
             f"{num(res['load_average_after'][0], 1)} after")
+
+
+def planner_vs_dry_runs_table(data: dict) -> str:
+    """Per configuration and pipeline rank: the dry run's peak, its transient (what is neither state nor
+    stash at the peak) and where it fell, beside the planner's peak, the phase it names and their ratio."""
+    rows = []
+    for res in data["results"]:
+        for r in res["ranks"]:
+            rows.append([f"{res['preset']} {res['configuration']}", res["optimizer"], str(r["pipeline_rank"]),
+                         num(r["measured_peak_bytes"] / GIB), num(r["measured_transient_bytes"] / GIB),
+                         r["measured_peak_at"], num(r["predicted_peak_bytes"] / GIB), r["predicted_phase"],
+                         num(r["predicted_over_measured"], 4)])
+    return table(["configuration", "AdamW", "pp rank", "dry run peak GiB", "dry run transient GiB",
+                  "dry run peak at", "planner GiB", "planner's peak in", "planner / dry run"], rows)

@@ -227,10 +227,11 @@ def table(result: dict) -> list[str]:
 
 
 def against_dry_runs(paths: list[str], out: Optional[str], argv: Optional[list[str]]) -> int:
-    """Per pipeline rank, the planner's peak (foreach AdamW, as the dry run runs) beside the dry run's."""
+    """Per pipeline rank, the planner's peak (with the AdamW kernel the dry run built) beside the dry run's.
+    Ranks of the same command are merged, apart by the optimizer their rows name."""
     from megatron_pp.planning.verify import compare_dry_run
 
-    by_command: dict[str, list[dict]] = {}
+    by_command: dict[tuple[str, str], list[dict]] = {}
     try:
         for path in paths:
             with open(path) as f:
@@ -238,9 +239,11 @@ def against_dry_runs(paths: list[str], out: Optional[str], argv: Optional[list[s
                     words = result["command"].split()  # the same job whichever ranks a run held
                     if "--dry-run-ranks" in words:
                         del words[words.index("--dry-run-ranks"):words.index("--dry-run-ranks") + 2]
-                    by_command.setdefault(" ".join(words), []).extend(result["ranks"])
+                    for row in result["ranks"]:
+                        key = (" ".join(words), row.get("optimizer_implementation", ""))
+                        by_command.setdefault(key, []).append(row)
         compared = [compare_dry_run(command, int(command.split("--dry-run ")[1].split()[0]), ranks)
-                    for command, ranks in by_command.items()]
+                    for (command, _), ranks in by_command.items()]
     except (OSError, KeyError, IndexError, ValueError) as err:
         print(f"error: --dry-run-json: {type(err).__name__}: {err}", file=sys.stderr)
         return 2

@@ -66,6 +66,8 @@ def compare_rank(predicted: Prediction, measured: dict) -> dict:
         "predicted_over_measured": predicted.memory_bytes[r] / measured["peak_bytes"],
         "measured_state_bytes": state, "predicted_state_bytes": predicted.state_bytes[r],
         "measured_stash_peak_bytes": measured["stash_peak_bytes"], "predicted_stash_bytes": predicted.stash_bytes[r],
+        "measured_transient_bytes": measured["transient_peak_bytes"],
+        "measured_host_peak_bytes": measured.get("host_peak_bytes", 0),
         "measured_peak_at": measured["peak_at"], "measured_phase": phase_of(measured["peak_at"]),
         "predicted_phase": predicted.peak_phase(r),
         "predicted_optimizer_step_bytes": predicted.optimizer_step_bytes[r],
@@ -187,4 +189,5 @@ def compare_dry_run(command: str, world: int, ranks: Sequence[dict]) -> dict:
     job, cluster, c = planned_from_flags(argv, world, optimizer=optimizer_of(ranks))
     predicted = Evaluator(job, cluster).evaluate(c, exact=True)
     rows = sorted((compare_rank(predicted, r) for r in ranks), key=lambda r: r["pipeline_rank"])
-    return {"command": command, "configuration": c.label(), "optimizer": job.optimizer, "ranks": rows}
+    return {"command": command, "preset": job.preset, "configuration": c.label(), "optimizer": job.optimizer,
+            "ranks": rows}

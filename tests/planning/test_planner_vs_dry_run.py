@@ -1,0 +1,59 @@
+"""The planner held to a dry run after the fact (`planning.verify.compare_dry_run`, `tools/validate_planner.py
+--dry-run-json`): the AdamW kernel each row names decides the planner's optimizer-step term."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_pp.planning.verify import compare_dry_run, optimizer_of
+from megatron_pp.training import dry_run
+from megatron_pp.training.arguments import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import validate_planner  # noqa: E402
+
+FLAGS = ["--model-preset", "gpt-tiny", "--mock-data", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "4",
+         "--seq-length", "16", "--max-position-embeddings", "16", "--pipeline-model-parallel-size", "2",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "2", "--dry-run", "2"]
+
+
+def _rows(kernel: str) -> list[dict]:
+    args = parse_args(FLAGS + ["--dry-run-optimizer", kernel])
+    return [dry_run.run_rank(args, rank, torch.device("cpu")).row() for rank in (0, 1)]
+
+
+def test_rows_name_their_kernel_and_old_rows_ran_foreach():
+    assert optimizer_of([{"optimizer_implementation": "torch.optim.AdamW (fused)"}]) == "fused"
+    assert optimizer_of([{"optimizer_implementation": "apex.optimizers.FusedAdam"}]) == "fused"
+    assert optimizer_of([{"peak_bytes": 1}]) == "foreach"  # before --dry-run-optimizer: the CPU's choice
+    with pytest.raises(ValueError, match="different optimizers"):
+        optimizer_of([{"optimizer_implementation": "torch.optim.AdamW (fused)"}, {}])
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_the_planner_is_compared_with_the_kernel_the_dry_run_built(kernel):
+    """State to the byte on both pipeline ranks either way; the planner's optimizer-step term is foreach's
+    sqrt(v) (4 bytes a matrix parameter) only where the dry run ran foreach."""
+    rows = _rows(kernel)
+    result = compare_dry_run("python pretrain_gpt.py " + " ".join(FLAGS + ["--dry-run-optimizer", kernel]), 2, rows)
+    assert result["optimizer"] == kernel
+    for r in result["ranks"]:
+        assert r["measured_state_bytes"] == r["predicted_state_bytes"]
+        assert (r["predicted_optimizer_step_bytes"] > 0) == (kernel == "foreach")
+
+
+def test_validate_planner_keeps_runs_of_one_command_apart_by_kernel(tmp_path, capsys):
+    command = "python pretrain_gpt.py " + " ".join(FLAGS)
+    paths = []
+    for kernel in ("fused", "foreach"):
+        path = tmp_path / f"{kernel}.json"
+        path.write_text(json.dumps({"results": [{"command": command, "ranks": _rows(kernel)}]}))
+        paths.append(str(path))
+    out = tmp_path / "compared.json"
+    assert validate_planner.main(["--dry-run-json", *paths, "--json", str(out)]) == 0
+    compared = json.loads(out.read_text())["results"]
+    assert [c["optimizer"] for c in compared] == ["fused", "foreach"]
+    assert all(len(c["ranks"]) == 2 for c in compared)
