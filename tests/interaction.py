@@ -3,25 +3,26 @@
 `Runner(run_distributed, workdir).outcome(case)` checks one case and says "refused" or "ran": a refusal must be
 one line naming a flag the case gave; a run (`pretrain`, two steps, on tests/dist.py's pool) must have finite
 metrics that every rank agrees on, every parameter tensor changed by each applied step, and equal its reference:
-fp32 the single-process AdamW loop (`reference`, the loop of tests/training/test_exactness_edges.py with every
-gradient tensor kept) under the house rule, bf16/fp16 the same precision's 1F1B run within LOW_PRECISION_TOL.
+fp32 one process computing each step's gradients from the same weights (`reference_step`, the loop of
+tests/training/test_exactness_edges.py with every gradient tensor kept) and AdamW's update of the run's own
+gradients (`adamw_steps`) under the house rule, bf16/fp16 the same precision's 1F1B run within LOW_PRECISION_TOL.
 tests/training/test_interaction_matrix.py runs the default array; dev/interaction_matrix.py larger draws.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
-from megatron_pp.testing.interaction import (Job, flags_named, low_precision_reference_case, make_job,
+from megatron_pp.testing.interaction import (LR, Job, flags_named, low_precision_reference_case, make_job,
                                              reference_argv, refusal)
 
 TOL = 1e-5
-# Step 2's gradient norm after Adam's first step: an element whose step-1 gradient is within rounding of zero moves
-# by about +-lr either way (see exact_compare), and on fp32-gis-tp1pp4dp1v2 (offload chunks, zero1, untied llama-tiny)
-# that moved the norm by 3.7e-5 relative while step 1's loss and every gradient, and step 2's loss, agreed within
-# 1e-5 (seen 2026-12-06, at this round's start commit too). A wrong update (rate, missing contribution) moves it by
-# far more.
-STEP2_NORM_TOL = 1e-4
+# A step's update against AdamW's on the run's own gradients, element by element: |w - expected| within
+# UPDATE_TOL x (|expected| + UPDATE_SCALE). The same update in another kernel (foreach, a flat ZeRO-1 shard)
+# rounds differently by a few units of fp32's 6e-8 in the weight and in lr x g / (|g| + eps); a wrong update
+# does far more: weight decay dropped is lr x wd = 1e-4 of the weight, a wrong rate or bias correction a part of
+# lr = 1e-2, a lost or doubled microbatch a part of the gradient.
+UPDATE_TOL, UPDATE_SCALE = 1e-6, LR
 # bf16 and fp16 runs against the same precision's 1F1B run (relative, loss and gradient norm of both steps). Another
 # schedule or layout sums the same products in another order and rounds other tensor shards, so correct runs
 # differ by rounding: over the default array (docs/results/interaction_matrix.json) by at most 2.6e-4 (loss) and
@@ -35,8 +36,9 @@ LOW_PRECISION_TOL = {"bf16": {"loss": 2e-3, "grad_norm": 3e-2}, "fp16": {"loss":
 
 
 def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
-    """Worker side: `pretrain` for the job's steps; per step (loss, grad norm, skipped), the parameters that did
-    not change in it, and (fp32) every parameter's full reduced, unscaled gradient before the update."""
+    """Worker side: `pretrain` for the job's steps; per step (loss, grad norm, skipped, lr), the parameters that
+    did not change in it, and (fp32) every parameter's full reduced, unscaled gradient before the update and every
+    parameter whole before step 1 and after each step."""
     import torch
 
     from megatron_pp.training import train
@@ -46,6 +48,7 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     state = ctx.parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     seen: dict = {}
     grads: list[dict] = []
+    weights: list[dict] = []  # fp32: every parameter whole, before step 1 and after each step
     unchanged: list[list[str]] = []
     build_pipeline, build_optimizer = train.build_job_pipeline, train.build_optimizer
 
@@ -58,6 +61,8 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     def capturing_pipeline(*a, **kw):
         pipe = seen["pipe"] = build_pipeline(*a, **kw)
         seen["before"], seen["host_bytes"] = snapshot(), 0
+        if capture_grads:
+            weights.append(_full_weights(pipe, state))
         run = pipe.executor.run
 
         def measured_run(*ra, **rkw):  # the most host memory the offload store held in any step
@@ -81,6 +86,8 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
         return optimizer
 
     def after_iteration(row):
+        if capture_grads:
+            weights.append(_full_weights(seen["pipe"], state))
         now = snapshot()
         unchanged.append(sorted(n for n, p in now.items() if torch.equal(p, seen["before"][n])))
         seen["before"] = now
@@ -89,12 +96,13 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     rows: list = []
     try:
         train.pretrain(args, state=state, on_iteration=lambda row: (after_iteration(row), rows.append(
-            (row["loss"], row["grad_norm"], row["skipped"]))))
+            (row["loss"], row["grad_norm"], row["skipped"], row["lr"]))))
     finally:
         train.build_job_pipeline, train.build_optimizer = build_pipeline, build_optimizer
     keep = state.tp_rank == 0 and state.dp_rank == 0
     offloads = sum(a.op.value == "OFFLOAD" for a in seen["pipe"].schedule.actions[state.pp_rank])
     return {"rows": rows, "unchanged": unchanged, "grads": grads if keep else [], "pp_rank": state.pp_rank,
+            "weights": weights if keep else [],
             "params": sorted(n for n, _ in named(seen["pipe"])), "offloads": offloads,
             "host_bytes": seen["host_bytes"]}
 
@@ -127,9 +135,22 @@ def _full_grads(pipe, optimizer, state) -> dict:
     return out
 
 
-def reference(argv: Sequence[str], steps: int = 2) -> list[tuple[float, float, dict]]:
-    """Per step (loss, grad norm, named gradients) of one process training the whole global batch in fp32 with
-    the job's AdamW, weight decay on 2-D+ tensors and clipping (tests/training/test_exactness_edges.py's loop)."""
+def _full_weights(pipe, state) -> dict:
+    """Every parameter of this rank's chunks whole (tp shards concatenated; collective over tp)."""
+    from megatron_pp.core.tensor_parallel import gather_tensor
+
+    out = {}
+    for chunk in pipe.chunks:
+        for name, p in chunk.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                out[name] = gather_tensor(p.detach(), p.partition_dim, p.partition_stride, state.tp_group)
+            else:
+                out[name] = p.detach().clone()
+    return out
+
+
+def _reference_model(argv: Sequence[str], weights: Optional[dict] = None):
+    """(args, the whole model in one process, in fp32, from the seed or from `weights`, its mock data)."""
     import torch
 
     from megatron_pp.models.transformer import build_model
@@ -139,26 +160,52 @@ def reference(argv: Sequence[str], steps: int = 2) -> list[tuple[float, float, d
     args = build_parser().parse_args(list(argv))  # an fp32 job's flags: the model is built in fp32
     config = model_config_from_args(args)
     model = build_model(config, seed=args.seed)
-    split = MockSplit(args.seed, config.seq_length, config.vocab_size)
-    params = list(model.parameters())
+    if weights is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+    return args, model, MockSplit(args.seed, config.seq_length, config.vocab_size)
+
+
+def reference_step(argv: Sequence[str], step: int, weights: Optional[dict] = None) -> tuple:
+    """(loss, grad norm, named gradients, the weights it started from) of one process computing step `step`'s
+    (0-based) global batch in fp32 from `weights` (default: the seed's initial model), the loss as the job's:
+    the per-token mean over the global batch (tests/training/test_exactness_edges.py's loop)."""
+    args, model, split = _reference_model(argv, weights)
+    gbs = args.global_batch_size
+    batch = split.get_batch(range(step * gbs, (step + 1) * gbs))
+    mask = batch["loss_mask"]
+    loss = (model(None, batch).float() * mask).sum() / mask.sum()
+    loss.backward()
+    named = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in named.values()))
+    return float(loss.detach()), norm, named, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def adamw_steps(argv: Sequence[str], start: dict, grads: Sequence[dict], norms: Sequence[float],
+                lrs: Sequence[float]) -> list[dict]:
+    """The weights after each step of the job's optimizer applied to the given gradients from `start`: AdamW
+    (torch's, betas 0.9 / 0.999, --adam-eps), weight decay on 2-D+ tensors, the gradients clipped to
+    --clip-grad by the given norm (the job's: Megatron's clip factor clip / (norm + 1e-6)) and step k at lrs[k]."""
+    import torch
+
+    from megatron_pp.training.arguments import build_parser
+
+    args = build_parser().parse_args(list(argv))
+    params = {n: torch.nn.Parameter(w.clone()) for n, w in start.items()}
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() > 1]},
-         {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
-    gbs, out = args.global_batch_size, []
-    for step in range(steps):
-        batch = split.get_batch(range(step * gbs, (step + 1) * gbs))
-        optimizer.zero_grad(set_to_none=True)
-        mask = batch["loss_mask"]
-        loss = (model(None, batch).float() * mask).sum() / mask.sum()
-        loss.backward()
-        named = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
-        if norm > args.clip_grad:
-            for p in params:
-                p.grad.mul_(args.clip_grad / (norm + 1e-6))
+        [{"params": [p for p in params.values() if p.dim() > 1]},
+         {"params": [p for p in params.values() if p.dim() <= 1], "weight_decay": 0.0}],
+        lr=lrs[0], betas=(0.9, 0.999), eps=args.adam_eps, weight_decay=args.weight_decay, foreach=False)
+    out = []
+    for named, norm, lr in zip(grads, norms, lrs):
+        scale = args.clip_grad / (norm + 1e-6) if args.clip_grad > 0 and norm > args.clip_grad else 1.0
+        for name, p in params.items():
+            p.grad = named[name] * scale
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
-        out.append((float(loss.detach()), norm, named))
+        out.append({n: p.detach().clone() for n, p in params.items()})
     return out
 
 
@@ -171,7 +218,7 @@ def check_run(job: Job, results: list[dict], compare: Callable[[list[dict]], Non
     rows = results[0]["rows"]
     assert all(r["rows"] == rows for r in results), f"{job.name}: ranks disagree on the metrics"
     assert len(rows) == 2, f"{job.name}: {len(rows)} steps"
-    for step, (loss, norm, skipped) in enumerate(rows, 1):
+    for step, (loss, norm, skipped, _) in enumerate(rows, 1):
         assert math.isfinite(loss), f"{job.name}: step {step} loss {loss}"
         assert not skipped and math.isfinite(norm), f"{job.name}: step {step} skipped (grad norm {norm})"
     # An offload flag is not dropped on the way (issue 37 saw a schedule file run without its --offload-fraction):
@@ -196,36 +243,61 @@ def check_run(job: Job, results: list[dict], compare: Callable[[list[dict]], Non
     compare(results)
 
 
-def exact_compare(job: Job, ref: list) -> Callable[[list[dict]], None]:
-    """fp32, the house rule: step 1's loss and every gradient tensor within 1e-5 relative; step 2's loss too and
-    its gradient norm within STEP2_NORM_TOL (above), which checks the update. Step 2's
-    tensors are not compared one by one: Adam's first step moves an element by about lr x sign(g), so a gradient
-    element within rounding of zero can move either way, and that element's effect on a small tensor's next
-    gradient is not a bug (seen on a LayerNorm weight of a correct run). 2BW: step 1 only, the only
-    step whose weights a flushed loop shares."""
+def merged(results: list[dict], key: str, index: int) -> dict:
+    """Step `index`'s `key` ("grads", "weights") of every rank, by name; a tied embedding's two copies equal."""
     import torch
+
+    out: dict = {}
+    for r in results:
+        for name, t in (r[key][index] if len(r[key]) > index else {}).items():
+            if name in out:
+                assert torch.equal(out[name], t), f"{key}[{index}]: the copies of {name} differ"
+            out[name] = t
+    return out
+
+
+def exact_compare(job: Job, ref: list, seen: Optional[dict] = None) -> Callable[[list[dict]], None]:
+    """fp32, the house rule, from the same weights at each step: `ref` is step 1 from the seed's initial model and
+    step 2 from the run's own weights after step 1 (`reference_step`). Each step's loss, gradient norm and every
+    gradient tensor within TOL relative; the run starts from the seed's model bit for bit; and each step's
+    update is AdamW's on the run's own gradients (`adamw_steps`) element by element within UPDATE_TOL.
+    Comparing step 2 against a reference that went on from its own step 1 instead (to 1e-4 on the norm before
+    this) depends on luck: Adam's first step moves an element by lr x g / (|g| + eps), whose slope at g = 0 is
+    lr / eps = 1e6 here, so a gradient element within rounding of zero moves by up to lr either way
+    (docs/reliability.md, "The interaction matrix"). 2BW: step 1 only, the only step whose weights a flushed
+    loop shares (its optimizer is not the one run_job captures gradients from). `seen` gets the largest relative
+    gradient-tensor and update-element errors ("gradient", "update")."""
+    import torch
+
+    seen = {} if seen is None else seen
 
     def compare(results: list[dict]) -> None:
         rows = results[0]["rows"]
-        for step in range(1 if job.settings["schedule"] == "2bw" else 2):
-            ref_loss, ref_norm, _ = ref[step]
-            loss, norm, _ = rows[step]
+        two_bw = job.settings["schedule"] == "2bw"
+        for step in range(1 if two_bw else 2):
+            ref_loss, ref_norm = ref[step][:2]
+            loss, norm = rows[step][:2]
             assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{job.name}: step {step + 1} loss {loss} vs {ref_loss}"
-            tol = TOL if step == 0 else STEP2_NORM_TOL
-            assert abs(norm - ref_norm) <= tol * ref_norm, f"{job.name}: step {step + 1} grad norm {norm} vs {ref_norm}"
-        if job.settings["schedule"] == "2bw":  # its optimizer is not the one run_job captures gradients from
+            assert abs(norm - ref_norm) <= TOL * ref_norm, f"{job.name}: step {step + 1} grad norm {norm} vs {ref_norm}"
+        if two_bw:
             return
-        merged: dict = {}
-        for r in results:
-            for name, g in (r["grads"][0] if r["grads"] else {}).items():
-                if name in merged:  # a tied embedding's two copies
-                    assert torch.equal(merged[name], g), f"{job.name}: copies of {name} differ"
-                merged[name] = g
-        ref_grads = ref[0][2]
-        assert set(merged) == set(ref_grads), f"{job.name}: names differ {set(merged) ^ set(ref_grads)}"
-        for name, g_ref in ref_grads.items():
-            err = float((merged[name] - g_ref).norm() / g_ref.norm())
-            assert err <= TOL, f"{job.name}: gradient of {name} off by {err:.2e}"
+        grads = [merged(results, "grads", k) for k in range(2)]
+        for step in range(2):
+            ref_grads = ref[step][2]
+            assert set(grads[step]) == set(ref_grads), f"{job.name}: names differ {set(grads[step]) ^ set(ref_grads)}"
+            for name, g_ref in ref_grads.items():
+                err = float((grads[step][name] - g_ref).norm() / g_ref.norm())
+                seen["gradient"] = max(seen.get("gradient", 0.0), err)
+                assert err <= TOL, f"{job.name}: step {step + 1}: gradient of {name} off by {err:.2e}"
+        weights = [merged(results, "weights", k) for k in range(3)]
+        for name, w in ref[0][3].items():
+            assert torch.equal(weights[0][name], w), f"{job.name}: {name} does not start from the seed's model"
+        expected = adamw_steps(job.argv, weights[0], grads, [row[1] for row in rows], [row[3] for row in rows])
+        for step in range(2):
+            for name, e in expected[step].items():
+                err = float(((weights[step + 1][name] - e).abs() / (e.abs() + UPDATE_SCALE)).max())
+                seen["update"] = max(seen.get("update", 0.0), err)
+                assert err <= UPDATE_TOL, f"{job.name}: step {step + 1}'s update of {name} off by {err:.2e}"
     return compare
 
 
@@ -236,7 +308,7 @@ def tolerance_compare(job: Job, ref_rows: list) -> Callable[[list[dict]], None]:
     def compare(results: list[dict]) -> None:
         steps = 1 if job.settings["schedule"] == "2bw" else 2
         for step in range(steps):
-            (loss, norm, _), (ref_loss, ref_norm, _) = results[0]["rows"][step], ref_rows[step]
+            (loss, norm), (ref_loss, ref_norm) = results[0]["rows"][step][:2], ref_rows[step][:2]
             assert abs(loss - ref_loss) <= tol["loss"] * abs(ref_loss), \
                 f"{job.name}: step {step + 1} loss {loss} vs 1F1B's {ref_loss}"
             assert abs(norm - ref_norm) <= tol["grad_norm"] * abs(ref_norm), \
@@ -265,21 +337,26 @@ class Runner:
             assert flags_named(lines[0], job.argv), f"{job.name}: refusal names none of its flags: {lines[0]}"
             return "refused"
         fp32 = case["precision"] == "fp32"
-        results = self.run_distributed(job.world, run_job, list(job.argv), fp32)
-        ref_rows = [row[:2] for row in self._fp32_reference(job)] if fp32 else self._low_reference(case)
         steps = 1 if case["schedule"] == "2bw" else 2
-        self.deviations[job.name] = {
-            key: max(abs(row[i] - ref[i]) / abs(ref[i]) for row, ref in zip(results[0]["rows"][:steps], ref_rows))
+        results = self.run_distributed(job.world, run_job, list(job.argv), fp32)
+        if fp32:  # step 1 from the seed's model; step 2 from the run's weights after step 1
+            ref = [self._fp32_reference(job)]
+            if steps == 2:
+                after_step1 = merged(results, "weights", 1)
+                ref.append(reference_step(job.argv, 1, after_step1) if after_step1 else (math.nan, math.nan, {}, {}))
+        else:
+            ref = self._low_reference(case)
+        deviation = self.deviations[job.name] = {
+            key: max(abs(row[i] - r[i]) / abs(r[i]) for row, r in zip(results[0]["rows"][:steps], ref))
             for i, key in enumerate(("loss", "grad_norm"))}
-        check_run(job, results, exact_compare(job, self._fp32_reference(job)) if fp32
-                  else tolerance_compare(job, ref_rows))
+        check_run(job, results, exact_compare(job, ref, deviation) if fp32 else tolerance_compare(job, ref))
         return "ran"
 
-    def _fp32_reference(self, job: Job) -> list:
+    def _fp32_reference(self, job: Job) -> tuple:
         key = (job.settings["model"], job.settings["embeddings"], job.settings["attention"],
                job.argv[job.argv.index("--num-layers") + 1], job.argv[job.argv.index("--global-batch-size") + 1])
         if key not in self._fp32:
-            self._fp32[key] = reference(job.argv)
+            self._fp32[key] = reference_step(job.argv, 0)
         return self._fp32[key]
 
     def _low_reference(self, case: dict) -> list:
