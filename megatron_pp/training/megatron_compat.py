@@ -3,10 +3,11 @@ Megatron-LM launch script runs with only its entry point changed, each one sorte
 
 Three kinds. Flags that change what is computed are implemented where the computation lives and only
 declared here when they belong to no other group (`--lr-warmup-fraction`, `--decoupled-lr`,
-`--grad-reduce-in-bf16`, `--ckpt-format`; `--apply-layernorm-1p` and `--rotary-percent` are model
-fields, `TransformerConfig`). Flags that tune Megatron-LM's own machinery (its kernels, its data
-loader processes, its garbage collector, its profiler hooks) are accepted and named in one start-up
-line, `accepted_without_effect`; what each does in Megatron-LM and why nothing changes here is in
+`--grad-reduce-in-bf16`, `--ckpt-format`, `--overlap-param-gather`, the last implemented in
+`core.distributed_optimizer`; `--apply-layernorm-1p` and `--rotary-percent` are model fields,
+`TransformerConfig`). Flags that tune Megatron-LM's own machinery (its kernels, its data loader
+processes, its garbage collector, its profiler hooks) are accepted and named in one start-up line,
+`accepted_without_effect`; what each does in Megatron-LM and why nothing changes here is in
 `NO_EFFECT` and docs/training.md. Flags that need what this project does not have (fp8 without
 TransformerEngine, context parallelism) are refused by `check_megatron_compat`, one line each, before
 anything is built. Example: the flags of Megatron-LM's llama3 8B script (bf16, mock data) start with
@@ -29,9 +30,6 @@ NO_EFFECT: dict[str, str] = {
     "--manual-gc-interval": "Megatron-LM: steps between manual collections (with --manual-gc).",
     "--empty-unused-memory-level": "Megatron-LM: torch.cuda.empty_cache() after each step (1) or also after "
                                    "validation (2): returns cached blocks to the driver; no value changes.",
-    "--overlap-param-gather": "Megatron-LM: overlap the distributed optimizer's parameter all-gather with the "
-                              "next forward. Here the updated shards are all-gathered at the end of the step "
-                              "(same values); it needs --use-distributed-optimizer, as in Megatron-LM.",
     "--tiktoken-pattern": "Megatron-LM: the pre-tokenization regex of its TikTokenizer (v1 or v2), read by "
                           "no other tokenizer type; none of this project's tokenizers reads it.",
     "--no-create-attention-mask-in-dataloader": "Megatron-LM: do not build a [s, s] causal mask per sample "
@@ -94,7 +92,10 @@ def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
                     help="Megatron-LM's batch-size ramp-up (with --train-samples): the global batch grows from START by "
                          "INCREMENT over SAMPLES consumed samples to --global-batch-size; each microbatch count "
                          "runs its own validated action list (docs/training.md).")
-    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc", "--overlap-param-gather",
+    mc.add_argument("--overlap-param-gather", action="store_true",
+                    help="With --use-distributed-optimizer: leave each update's parameter all-gathers in flight; each "
+                         "model chunk's first forward of the next step waits for its own (docs/training.md).")
+    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--profile",
                  "--use-pytorch-profiler"):
         mc.add_argument(name, dest=_dest(name), action="store_true", help=NO_EFFECT[name])
@@ -139,6 +140,10 @@ def accepted_without_effect(args: argparse.Namespace) -> Optional[str]:
                      "writes Megatron-LM's)")
     if getattr(args, "context_parallel_size", None) == 1:
         given.append("--context-parallel-size 1")
+    if getattr(args, "overlap_param_gather", False) and getattr(args, "data_parallel_sharding_strategy",
+                                                                 "no_shard") == "optim_grads_params":
+        given.append("--overlap-param-gather (sharded weights gather per chunk run, the next run's gather "
+                     "started ahead, either way)")
     if not given:
         return None
     return ("Megatron-LM flags accepted with no effect here: " + ", ".join(given)
@@ -155,9 +160,9 @@ def check_megatron_compat(args: argparse.Namespace) -> list[str]:
     if args.context_parallel_size not in (None, 1):
         errors.append(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                       "implemented here; only 1 is accepted (split the sequence with --sequence-parallel under tp)")
-    if args.overlap_param_gather and not args.use_distributed_optimizer and (
-            args.data_parallel_sharding_strategy == "no_shard"):
-        errors.append("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM)")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM): only its "
+                      "parameter all-gather can be overlapped")
     if args.grad_reduce_in_bf16 and not args.bf16:
         errors.append("--grad-reduce-in-bf16 applies only to --bf16 (fp32 and fp16 runs reduce in fp32)")
     if args.pipeline_schedule == "2bw":  # 2BW's weight versions keep their own fp32 gradients and groups

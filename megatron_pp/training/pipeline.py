@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from megatron_pp.core.distributed_optimizer import ShardedMainParams
 from megatron_pp.core.p2p import PipelineComm
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.models.config import TransformerConfig
@@ -57,6 +58,11 @@ class Pipeline:
             return executor
         if self.schedule_for is None:
             raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {num_microbatches}")
+        if self.versions is not None:
+            # Weight versions carry microbatches in flight from one step into the next: one count throughout
+            # (the argument checks refuse a ramp-up with such a list, `job_schedule.check_ramp_sizes`).
+            raise ValueError(f"{self.schedule.name}: a list with weight versions runs one microbatch count "
+                             f"({self.schedule.num_microbatches}), not {num_microbatches}")
         schedule = self.schedule_for(num_microbatches)
         main = self.executor
         executor = PipelineExecutor(schedule, self.state.pp_rank, self.chunks, comm=main.comm,
@@ -129,3 +135,23 @@ def build_job_pipeline(args: argparse.Namespace, config: TransformerConfig, stat
         account_for_loss=args.account_for_loss_in_pipeline_split,
         trace=trace,
     )
+
+
+def connect_param_gather(args: argparse.Namespace, pipe: Pipeline, optimizer: object) -> bool:
+    """--overlap-param-gather with the distributed optimizer: leave each update's parameter all-gathers in
+    flight, each chunk's finished by its first forward (`ShardedMainParams.overlap_param_gather`; collective:
+    it creates the gathers' process group). Returns whether it did; sharded weights (optim_grads_params)
+    gather per chunk run already and are left as they are."""
+    main = getattr(optimizer, "main", None)
+    if not getattr(args, "overlap_param_gather", False) or type(main) is not ShardedMainParams:
+        return False
+    main.overlap_param_gather(pipe.chunks)
+    return True
+
+
+def finish_param_gather(optimizer: object) -> None:
+    """Complete the overlapped parameter gathers still in flight (before a checkpoint, an evaluation, the
+    end of training); nothing to do otherwise."""
+    main = getattr(optimizer, "main", None)
+    if isinstance(main, ShardedMainParams):
+        main.finish_param_gather()

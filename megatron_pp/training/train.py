@@ -53,7 +53,7 @@ from megatron_pp.training.offload_probe import OffloadProbe, measure_offload_tim
 from megatron_pp.training.optimizer import LRSchedule, OptimizerConfig, build_optimizer
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.watchdog import Watchdog
-from megatron_pp.training.pipeline import Pipeline, build_job_pipeline, build_pipeline
+from megatron_pp.training.pipeline import Pipeline, build_job_pipeline, build_pipeline, connect_param_gather
 from megatron_pp.training.step import global_token_count, step_metrics, train_step
 from megatron_pp.training.step_data import MockSplit, build_config_and_data
 from megatron_pp.training.trainer import REDACTED, Trainer, TrainingStopped, loggable_settings
@@ -147,6 +147,7 @@ def pretrain(args: argparse.Namespace, state: Optional[ParallelState] = None,
     else:
         optimizer = build_optimizer(pipe.chunks, state, OptimizerConfig.from_args(args))
     connect_optimizer(pipe.executor, optimizer)  # REDUCE_GRAD -> its reducer; sharded weights' gathers
+    connect_param_gather(args, pipe, optimizer)  # --overlap-param-gather: each chunk's forward finishes its own
     ramp_line = connect_batch_ramp(args, pipe, optimizer, chunks, probe.offload_time if probe else None)
     checkpoint = TrainingState(
         chunks=pipe.chunks, stage_ids=pipe.stage_ids, stages=pipe.layout, placement=schedule.placement,

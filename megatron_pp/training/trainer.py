@@ -40,7 +40,7 @@ from megatron_pp.training.flops import IterationFlops
 from megatron_pp.training.layered import all_weights
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.optimizer import LRSchedule, TrainingOptimizer
-from megatron_pp.training.pipeline import Pipeline
+from megatron_pp.training.pipeline import Pipeline, finish_param_gather
 from megatron_pp.training.signals import ExitConditions
 from megatron_pp.training.step import step_metrics, train_step
 from megatron_pp.training.step_data import TrainingData, evaluation_enabled
@@ -334,6 +334,7 @@ class Trainer:
                     self.save()
                 self.log(f"exiting after iteration {iteration}: {stop}")
                 break
+        finish_param_gather(self.optimizer)  # nothing left in flight when training ends
         if stop is None:
             if evaluation_enabled(args) and last_eval != self.progress.iteration:
                 record(self.evaluate(args.train_iters // args.eval_interval), evaluation=True)
@@ -393,7 +394,7 @@ class FlushedSteps:
         return exit_conditions.check(iteration)
 
     def prepare_weights(self) -> None:
-        pass
+        finish_param_gather(self.trainer.optimizer)  # --overlap-param-gather: the last update's, if left
 
     def schedule_state(self) -> dict:
         return {}

@@ -77,12 +77,13 @@ def test_start_up_line_names_each_flag_without_effect_that_was_given():
     args = build_parser().parse_args(LLAMA3_8B_BF16)
     line = accepted_without_effect(args)
     for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level 1",
-                 "--overlap-param-gather", "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader",
+                 "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader",
                  "--no-mmap-bin-files", "--num-workers 1", "--profile", "--profile-step-start 4",
                  "--profile-step-end 6", "--calculate-per-token-loss", "--context-parallel-size 1",
                  "--ckpt-format torch_dist (--save writes this project's checkpoints; tools/convert_checkpoint.py "
                  "--target-format torch_dist writes Megatron-LM's)"):
         assert name in line, name
+    assert "--overlap-param-gather" not in line  # implemented with --use-distributed-optimizer, as the script gives
     assert "\n" not in line and accepted_without_effect(build_parser().parse_args([])) is None
     assert set(NO_EFFECT) >= {"--use-mcore-models", "--manual-gc", "--num-workers", "--profile"}
 
