@@ -157,6 +157,16 @@ class Trainer:
             "comm_wait_s": result.comm_wait_s,
         }
 
+    def ramp_changes_after(self, iteration: int) -> bool:
+        """Whether the batch-size ramp-up gives the iteration after `iteration` (about to run, with the consumed
+        samples of `progress`) another global batch, and so another microbatch count, with --save: Megatron-LM
+        saves a checkpoint there (its training loop, when `update_num_microbatches` changes the count), and so
+        do we, unless the run ends at `iteration` (it saves then anyway)."""
+        if not (self.args.save and self.batch_sizes.ramps) or iteration >= self.args.train_iters:
+            return False
+        batch = self.batch_sizes.at(self.progress.consumed_samples)
+        return self.batch_sizes.at(self.progress.consumed_samples + batch) != batch
+
     def evaluate(self, block: int = 0) -> dict:
         """Validation loss over `--eval-iters` global batches: block `block` of them, as Megatron-LM reads
         one block after another (evaluation k at iteration k·eval_interval reads block k − 1, the
@@ -310,8 +320,9 @@ class Trainer:
             iteration = self.progress.iteration + 1
             evaluate = evaluation_enabled(args) and iteration % args.eval_interval == 0
             save = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+            ramp_save = self.ramp_changes_after(iteration)
             stop = self.steps.stop_before(iteration, exit_conditions)
-            flush = stop is not None or evaluate or save or iteration == args.train_iters
+            flush = stop is not None or evaluate or save or ramp_save or iteration == args.train_iters
             numerics: Optional[str] = None
             for row in self.steps.advance(flush, exit_conditions):
                 # Every rank builds the same rows (agreed loss and skip decision), so every rank stops at
@@ -334,6 +345,10 @@ class Trainer:
                     self.save()
                 self.log(f"exiting after iteration {iteration}: {stop}")
                 break
+            if ramp_save and self.last_saved != iteration:
+                self.log(f"batch-size ramp-up: the next iteration runs another microbatch count; checkpoint of "
+                         f"iteration {iteration}, as Megatron-LM saves at each change")
+                self.save()
         finish_param_gather(self.optimizer)  # nothing left in flight when training ends
         if stop is None:
             if evaluation_enabled(args) and last_eval != self.progress.iteration:
