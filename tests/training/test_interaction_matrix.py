@@ -51,3 +51,36 @@ SPLIT_BACKWARD_CASES = [
 @pytest.mark.parametrize("case", SPLIT_BACKWARD_CASES, ids=lambda c: f"{c['precision']}-{c['schedule']}")
 def test_split_backward_in_low_precision_equals_1f1b(runner, case):
     assert runner.outcome(case) == "ran"
+
+
+def test_the_fp32_check_holds_each_step_and_update_to_its_reference():
+    """exact_compare on a run made of the reference's own numbers passes, and fails on each fault it is there for:
+    an update without weight decay (1e-4 of a weight), one step-2 gradient tensor 1e-4 off, a run that does not
+    start from the seed's model. One process, no pool: the checker itself."""
+    import torch
+
+    from tests.interaction import adamw_steps, exact_compare, reference_step
+
+    case = {**SPLIT_BACKWARD_CASES[0], "precision": "fp32", "schedule": "1f1b"}
+    job = interaction.make_job(case, "unused")
+    lr, wd = interaction.LR, interaction.WEIGHT_DECAY
+    step1 = reference_step(job.argv, 0)
+    w0 = step1[3]
+    w1 = adamw_steps(job.argv, w0, [step1[2]], [step1[1]], [lr])[0]
+    step2 = reference_step(job.argv, 1, w1)
+    w2 = adamw_steps(job.argv, w0, [step1[2], step2[2]], [step1[1], step2[1]], [lr, lr])[1]
+
+    def run(weights=(w0, w1, w2), grads=(step1[2], step2[2])):
+        rows = [(step1[0], step1[1], False, lr), (step2[0], step2[1], False, lr)]
+        exact_compare(job, [step1, step2])([{"rows": rows, "grads": list(grads), "weights": list(weights)}])
+
+    run()
+    no_decay = {n: w + lr * wd * w0[n] if w.dim() > 1 else w for n, w in w1.items()}
+    with pytest.raises(AssertionError, match="step 1's update of"):
+        run(weights=(w0, no_decay, w2))
+    name = next(iter(step2[2]))
+    with pytest.raises(AssertionError, match=f"step 2: gradient of {name}"):
+        run(grads=(step1[2], {**step2[2], name: step2[2][name] * (1 + 1e-4)}))
+    other_start = {**w0, name: w0[name] + torch.finfo(torch.float32).eps * w0[name].abs().max()}
+    with pytest.raises(AssertionError, match="does not start from the seed's model"):
+        run(weights=(other_start, w1, w2))
