@@ -37,6 +37,12 @@ the stores' lifetime is preceded by a header (storage count, then sizes) that th
 ACCEPT of that chunk waits for, and every later one sends the storages alone into buffers of the
 known sizes. The evictor checks each stash against the layout it announced and stops with an error
 naming both, rather than send a stash the partner's buffers do not fit.
+The dry run (`training.dry_run`, torch's `fake` backend) moves no data: there every transfer is complete
+once posted (its works are waited for at once: such works never report completion by themselves, and the
+explicit wait is what retires them, as `core.p2p.PipelineComm` does for the pipeline's sends), and an
+acceptor is given its partner's layouts ahead (`AcceptorStore.known_layouts`, learned by a dry run of the
+partner up to its first evictions), still posting the header's receives so that both ends make the same
+calls, but reading no data. On every other backend neither applies: the same messages, the same waits.
 The same code runs on CPU with gloo, where sends and receives complete asynchronously in gloo's own
 threads, and on CUDA with NCCL, where each pair group's operations run on that communicator's stream,
 ordered after the current stream at posting.
@@ -51,7 +57,7 @@ from typing import Hashable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from megatron_pp.core.comm import ProcessGroup
-from megatron_pp.core.p2p import post_batch
+from megatron_pp.core.p2p import completes_at_once, post_batch
 from megatron_pp.schedules.ir import Op, Schedule
 from megatron_pp.schedules.offload_store import OffloadStore, StashState, SyncCopies, _bytes_of
 from megatron_pp.schedules.runtime import hosting_bound
@@ -69,10 +75,13 @@ class Transfers:
 
     works: list
     tensors: list[torch.Tensor] = field(default_factory=list)
+    waited: bool = False
+    """Waited for on a backend whose operations complete when posted (the dry run's `fake`): done, whatever
+    `Work.is_completed()` says (such works never say so)."""
 
     def done(self) -> bool:
         """True once every operation has completed (never blocks)."""
-        return all(w.is_completed() for w in self.works)
+        return self.waited or all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         """Order the current stream after the operations (gloo: block until they are done)."""
@@ -95,6 +104,11 @@ class PeerLink:
     peer: int
     """Global rank of the partner."""
     device: torch.device
+    at_once: bool = field(init=False)
+    """Operations complete when posted (torch's `fake` backend: the dry run); decided once, from the groups."""
+
+    def __post_init__(self) -> None:
+        self.at_once = completes_at_once(self.groups[0])
 
     def _post(self, sending: bool, tensors: Sequence[torch.Tensor], loads: bool) -> Transfers:
         if not tensors:
@@ -102,7 +116,11 @@ class PeerLink:
         group = self.groups[1 if loads else 0]
         pairs = [(t, self.peer) for t in tensors]
         works = post_batch(pairs, [], group) if sending else post_batch([], pairs, group)
-        return Transfers(list(works), list(tensors))
+        done = Transfers(list(works), list(tensors))
+        if self.at_once:  # nothing moves: the explicit wait is what retires the operations
+            done.wait()
+            done.waited = True
+        return done
 
     def send_stash(self, storages: Sequence[torch.Tensor], announce: bool) -> Transfers:
         """Evictor: post the storages (uint8 views), after a header (storage count, then sizes) when
@@ -114,17 +132,23 @@ class PeerLink:
                 if storages else []
             head = self._post(True, [count, *sizes], loads=False)
         body = self._post(True, storages, loads=False)
-        return Transfers(head.works + body.works, head.tensors + body.tensors)
+        return Transfers(head.works + body.works, head.tensors + body.tensors, waited=self.at_once)
 
-    def receive_sizes(self) -> list[int]:
-        """Acceptor: block until a chunk's header is in; return its storage sizes in bytes."""
+    def receive_sizes(self, known: Optional[Sequence[int]] = None) -> list[int]:
+        """Acceptor: block until a chunk's header is in; return its storage sizes in bytes. `known`: the sizes,
+        where the wire carries no data (the dry run): the header's receives are posted all the same (so both
+        ends make the same calls) and their data is not read."""
+        if self.at_once and known is None:
+            raise RuntimeError("BPipe acceptor: this backend carries no data, so the partner's stash layout "
+                               "must be known ahead (AcceptorStore.known_layouts; the dry run sets it)")
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._post(False, [count], loads=False).finish()
-        if int(count.item()) == 0:
+        n = len(known) if known is not None else int(count.item())
+        if n == 0:
             return []
-        sizes = torch.zeros(int(count.item()), dtype=torch.int64, device=self.device)
+        sizes = torch.zeros(n, dtype=torch.int64, device=self.device)
         self._post(False, [sizes], loads=False).finish()
-        return [int(n) for n in sizes.tolist()]
+        return list(known) if known is not None else [int(x) for x in sizes.tolist()]
 
     def receive_stash(self, storages: Sequence[torch.Tensor]) -> Transfers:
         """Acceptor: post the receives of an evicted stash's storages into buffers of its chunk's sizes."""
@@ -162,7 +186,7 @@ class PeerStore(OffloadStore):
         `keep` and `private` as for `OffloadStore.offload`."""
         record = self._record(key, StashState.SAVED, "EVICT")
         self._choose_parked(record, keep, private)
-        storages = [_bytes_of(e.storage) for e in record.parked]
+        storages = [_bytes_of(e.storage, e.device) for e in record.parked]  # a fake storage says `meta`
         sizes = [t.numel() for t in storages]
         chunk = key[1] if isinstance(key, tuple) else None
         announced = self._layouts.setdefault(chunk, sizes)
@@ -186,7 +210,7 @@ class PeerStore(OffloadStore):
             raise RuntimeError(f"LOAD of stash {key}: it is {record.state.value}, not parked on the partner")
         self._allocate_parked(record)
         record.state = StashState.RELOADING
-        record.ticket = self.link.receive_back([_bytes_of(e.storage) for e in record.parked])
+        record.ticket = self.link.receive_back([_bytes_of(e.storage, e.device) for e in record.parked])
         self._note_peak()
 
 
@@ -201,6 +225,9 @@ class AcceptorStore(ActivationStore):
         super().__init__(exclude)
         self.link = link
         self._layouts: dict[Hashable, list[int]] = {}  # the partner's chunk -> its stash's storage sizes
+        self.known_layouts: dict[Hashable, list[int]] = {}
+        """The partner's chunk -> its stash's storage sizes, known ahead where the wire carries no data (the dry
+        run sets them); empty: read from the header the partner sends."""
         self._guests: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._incoming: dict[tuple[int, int], Transfers] = {}
         self._outgoing: list[tuple[tuple[int, int], Transfers]] = []
@@ -222,7 +249,7 @@ class AcceptorStore(ActivationStore):
             sends.finish()
             self._drop(key_back)
         if key[1] not in self._layouts:  # the first of this chunk: the evictor announces its sizes
-            self._layouts[key[1]] = self.link.receive_sizes()
+            self._layouts[key[1]] = self.link.receive_sizes(self.known_layouts.get(key[1]))
         buffers = [torch.empty(n, dtype=torch.uint8, device=self.link.device) for n in self._layouts[key[1]]]
         self._guests[key] = buffers
         self.guest_bytes += sum(b.numel() for b in buffers)

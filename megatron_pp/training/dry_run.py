@@ -41,9 +41,9 @@ from megatron_pp.core.comm_check import CommEvent, CommWatch, fake_world
 from megatron_pp.core.grads import unique_parameters
 from megatron_pp.core.parallel_state import ParallelState, RankLayout
 from megatron_pp.core.storage import storage_key
-from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
+from megatron_pp.training.dry_run_bpipe import Prepare, acceptor_prepare
 from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
 from megatron_pp.training.pipeline import build_job_pipeline
@@ -306,16 +306,20 @@ def _not_in(tensors, others) -> list[torch.Tensor]:
     return [t for t in tensors if storage_key(t) not in keys]
 
 
-def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: int = 2) -> RankReport:
-    """The job's code on global rank `rank` of a world of `args.dry_run`, on fake tensors."""
+def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: int = 2,
+             prepare: Optional[Prepare] = None) -> RankReport:
+    """The job's code on global rank `rank` of a world of `args.dry_run`, on fake tensors. `prepare(pipe)` runs
+    once the pipeline is built; by default a BPipe acceptor's, which first dry-runs its partner (dry_run_bpipe)."""
     world, started = args.dry_run, time.process_time()
+    if prepare is None:
+        prepare = acceptor_prepare(args, rank, lambda partner, stop: run_rank(args, partner, device, 1, stop))
     with fake_world(rank, world, device.type):
         watch = CommWatch(device=device if device.type == "meta" else None)
         mode = TrackingFakeMode(watch)
         with mode:
             state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                         device=device)
-            report = _run(args, state, mode, mode, steps)
+            report = _run(args, state, mode, mode, steps, prepare)
         report.comm = watch.events
         report.seconds = time.process_time() - started
         return report
@@ -333,7 +337,7 @@ def _optimizer_config(args, device: torch.device) -> OptimizerConfig:
 
 
 def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _LiveBytes,
-         steps: int) -> RankReport:
+         steps: int, prepare: Optional[Prepare] = None) -> RankReport:
     """Build and run the rank's job inside the tracker (and, for the dry run, the fake mode). With `mode`
     None the same code runs on real tensors: the test that holds the dry run to a real run uses that."""
     from megatron_pp.core.tensor_parallel import model_parallel_seed
@@ -348,11 +352,9 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
     if uses_weight_versions(schedule):
         raise DryRunError(f"--dry-run: --pipeline-schedule {schedule.name} updates weights inside its action lists "
                           "(two weight versions); the dry run does not drive that loop yet")
-    if mode is not None and any(a.op is Op.EVICT for acts in schedule.actions for a in acts):
-        raise DryRunError(f"--dry-run: --pipeline-schedule {schedule.name} parks stashes on a partner, which reads "
-                          "their sizes from the wire, and the fake backend carries no data; the dry run does not "
-                          "drive evictions yet (tools/bpipe_dry_run.py estimates BPipe's peaks from 1F1B's dry run)")
     pipe = build_job_pipeline(args, config, state, schedule)
+    if prepare is not None:
+        prepare(pipe)
     optimizer = build_optimizer(pipe.chunks, state, _optimizer_config(args, state.device))
     connect_optimizer(pipe.executor, optimizer)
     to_job = (lambda t: mode.from_tensor(t).to(state.device)) if mode is not None else (lambda t: t.to(state.device))
