@@ -18,9 +18,9 @@ f-strings, docstrings and annotations are not generated.
 The report (`--out`) has the integer fields `total`, `killed`, `equivalent` and `non_equivalent`
 (total minus equivalent; the score is killed / non_equivalent) and one entry per survivor: file:line,
 operator and the mutated line, plus what `--notes FILE` says about it: `killed_by` (a test written
-since, checked with `--only`), `equivalent` (why no test can tell the mutant from the original) or
+since, checked with `--only`), `equivalent` (why no test can tell the mutant from the original),
 `fixed` (looking into it found a bug at its spot, fixed since; it stays a survivor in the
-score). A survivor without a note is listed as unexplained; `--annotate` applies new
+score) or `open` (understood, not equivalent, not killed: why). A survivor without a note is listed as unexplained; `--annotate` applies new
 notes to a report without running anything. A full run takes hours on a small
 machine; `--sample N --seed S` runs a reproducible random subset.
 
@@ -508,6 +508,9 @@ def annotate(summary: dict, notes: dict) -> dict:
         elif "fixed" in note:
             # It led to a bug that was fixed: still a survivor (neither killed nor equivalent).
             entry["fixed"] = note["fixed"]
+        elif "open" in note:
+            # Understood, not equivalent, and not killed yet (e.g. code only a GPU runs): an open survivor.
+            entry["open"] = note["open"]
         else:
             entry["unexplained"] = True
         survivors.append(entry)

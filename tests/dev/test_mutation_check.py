@@ -58,6 +58,8 @@ def test_run_on_a_toy_repository_reports_killed_and_survivors(tmp_path, monkeypa
     assert "unexplained" in mutation_check.report(results, {}, "cmd")["survivors"][0]
     fixed = mutation_check.report(results, {results[1]["id"]: {"fixed": "the print was the bug"}}, "cmd")
     assert (fixed["killed"], fixed["non_equivalent"]) == (1, 2) and "fixed" in fixed["survivors"][0]
+    still = mutation_check.report(results, {results[1]["id"]: {"open": "only a GPU runs it"}}, "cmd")
+    assert (still["killed"], still["non_equivalent"]) == (1, 2) and still["survivors"][0]["open"] == "only a GPU runs it"
 
 
 def test_a_mutant_that_breaks_the_import_of_a_test_named_by_node_id_is_killed(tmp_path, monkeypatch):
