@@ -166,7 +166,8 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/benchmarks/emulate_report.py": ["tests/benchmarks/test_emulate_run.py", "tests/benchmarks/test_emulate.py",
                                                  "tests/tools/test_trace_vs_sim.py"],
     # Its per-schedule summary runs under bench_schedules.py (bench_mfu.py's CPU run has no schedule rows).
-    "megatron_pp/benchmarks/harness.py": ["tests/benchmarks/test_bench_mfu.py", "tests/benchmarks/test_bench_schedules.py"],
+    "megatron_pp/benchmarks/harness.py": ["tests/benchmarks/test_harness_device.py", "tests/benchmarks/test_bench_mfu.py",
+                                          "tests/benchmarks/test_bench_schedules.py"],
     "megatron_pp/benchmarks/soak.py": ["tests/reliability/test_soak.py"],
     "megatron_pp/convert/__init__.py": ["tests/tools/test_convert_checkpoint.py", "tests/convert/test_megatron_core.py"],
     "megatron_pp/convert/core.py": ["tests/convert/test_megatron_core.py", "tests/models/test_megatron_core_model.py",
