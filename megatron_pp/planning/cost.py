@@ -47,6 +47,10 @@ without `--overlap-grad-reduce`). The step time is the latest rank's end of all 
                                       output gradients of its linear layers (and, under full recompute,
                                       their rebuilt inputs), as the executor's store counts them
     recomputation transient           one layer rebuilt during the backward (`transient_activation_bytes`)
+    backward working set              per rank, its largest chunk's `memory.backward_transient_bytes` (ours): the
+                                      residual gradient plus the largest linear layer's backward while it
+                                      adds its weight gradient into the fp32 main gradient, less what autograd
+                                      has freed of that microbatch's stash by then
     optimizer step                    a rank's peak is max(all of the above, state + what the step allocates:
                                       `memory.optimizer_step_transient_bytes`, foreach AdamW's sqrt(v) of the
                                       larger parameter group or the distributed optimizer's gathered buckets);
@@ -75,7 +79,8 @@ from megatron_pp.models.layout import StageSpec, split_layers
 from megatron_pp.planning.efficiency import (EfficiencyModel, HardwareProfile, LayerShape, LayerTimes, MeasuredCurve,
                                              Roofline, head_times, head_weight_grad_s)
 from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction, ScheduleUnavailable
-from megatron_pp.planning.memory import (deferred_weight_grad_bytes, optimizer_step_transient_bytes,
+from megatron_pp.planning.memory import (backward_transient_bytes, deferred_weight_grad_bytes,
+                                         optimizer_step_transient_bytes,
                                          stage_parameters_per_gpu, stage_vector_parameters_per_gpu,
                                          state_bytes_per_parameter, stash_bytes, transient_activation_bytes)
 from megatron_pp.schedules.comm import insert_communication
@@ -156,6 +161,8 @@ class _Prepared:
     """The memory, when it does not depend on timing (the schedule moves no stashes)."""
     optimizer: tuple[float, ...] = ()
     """Per rank, the optimizer step's transient above the state (`memory.optimizer_step_transient_bytes`)."""
+    backward: tuple[float, ...] = ()
+    """Per rank, the backward's working set beside state and stashes (`memory.backward_transient_bytes`)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -252,6 +259,20 @@ class Evaluator:
                 n, vectors, dp=c.dp, distributed_optimizer=c.distributed_optimizer, param_bytes=job.param_bytes,
                 implementation=job.optimizer))
         return tuple(out)
+
+    def rank_backward_bytes(self, c: Configuration, schedule: Schedule) -> tuple[float, ...]:
+        """Per pipeline rank, the backward's working set (`memory.backward_transient_bytes`) of its largest chunk."""
+        job, specs = self.job, self.stages(c)
+        per_stage = []
+        for spec in specs:
+            key = ("backward", job.fold, c.tp, c.micro_batch_size, spec.num_layers, spec.has_embedding, spec.has_head)
+            if key not in self._per_stage:
+                self._per_stage[key] = backward_transient_bytes(
+                    job.config, spec, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
+                    numerics=job.numerics, weight_grad_fold=job.fold)
+            per_stage.append(self._per_stage[key])
+        return tuple(float(max(per_stage[schedule.stage_of(rank, chunk)] for chunk in range(c.num_chunks)))
+                     for rank in range(c.pp))
 
     def stage_compute_costs(self, c: Configuration) -> dict[tuple[Op, int], float]:
         """`compute_costs` of every global stage of `c` (F, B with what recompute re-runs, BI, BW)."""
@@ -421,7 +442,8 @@ class Evaluator:
         transfers = any(a.op in TRANSFER_OPS for group in groups for s in group for acts in s.actions for a in acts)
         prepared = _Prepared(c, m, stash, self.stage_held_bytes(c), self._transient(c), versions, groups, params, state, costs, transfers,
                              after, max(w + a for w, a in zip(work, after)),
-                             optimizer=self.rank_optimizer_step_bytes(c, reference, params))
+                             optimizer=self.rank_optimizer_step_bytes(c, reference, params),
+                             backward=self.rank_backward_bytes(c, reference))
         if not transfers:
             # Without stash transfers the resident stashes follow list order alone, whatever the timing,
             # so the memory is known now and a configuration that cannot fit is never simulated.
@@ -476,14 +498,16 @@ class Evaluator:
         resident = _extend(replays, m, "stash_bytes", floor=True)
         counts = _extend(replays, m, "stash_count", floor=True)
         state, optimizer = prepared.state, prepared.optimizer
-        pipeline = [state[r] + resident[r] + prepared.transient for r in range(c.pp)]
+        backward = prepared.backward or (0.0,) * c.pp
+        pipeline = [state[r] + resident[r] + prepared.transient + backward[r] for r in range(c.pp)]
         if prepared.versions > 1:  # the lists step while stashes are held: charge both (a bound)
             memory = tuple(pipeline[r] + optimizer[r] for r in range(c.pp))
         else:  # a flushed step: the optimizer runs after the last backward, when no stash is left
             memory = tuple(max(pipeline[r], state[r] + optimizer[r]) for r in range(c.pp))
         return Prediction(c, m, prepared.versions, state, tuple(resident), tuple(counts),
                           prepared.transient, memory, self.cluster.capacity_bytes,
-                          extrapolated=all(r.m != m for r in replays), optimizer_step_bytes=optimizer)
+                          extrapolated=all(r.m != m for r in replays), optimizer_step_bytes=optimizer,
+                          backward_bytes=tuple(backward))
 
     @staticmethod
     def _simulate(schedule: Schedule, costs: CostModel) -> SimResult:

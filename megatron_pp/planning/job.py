@@ -15,7 +15,7 @@ from megatron_pp.models.config import TransformerConfig
 from megatron_pp.models.presets import get_preset
 from megatron_pp.planning.efficiency import HardwareProfile
 from megatron_pp.planning.memory import (CPU_FP32, DEFAULT_RESERVED_FRACTION, MEGATRON_BF16, OPTIMIZER_IMPLEMENTATIONS,
-                                         Numerics, attention_kind)
+                                         WEIGHT_GRAD_FOLDS, Numerics, attention_kind)
 
 GIB = 2 ** 30
 
@@ -90,6 +90,12 @@ class Job:
     None = what the job picks on its device, `fused` on cuda and `foreach` on cpu; set to compare with a dry
     run that built the other kernel (`--dry-run-optimizer`; `planning.verify.optimizer_of`)."""
 
+    weight_grad_fold: Optional[str] = None
+    """How bf16 linear layers add their weight gradient into the fp32 main gradient, which sizes the
+    backward's working set (`memory.backward_transient_bytes`): None = what the job's device does,
+    `fp32-output` on cuda and `upcast` on cpu; `upcast` to compare with a dry run (its fake tensors are CPU
+    tensors)."""
+
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
             raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
@@ -102,11 +108,19 @@ class Job:
         if self.optimizer_implementation not in (None, *OPTIMIZER_IMPLEMENTATIONS):
             raise ValueError(f"optimizer implementation {self.optimizer_implementation!r} is not one of "
                              f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)}")
+        if self.weight_grad_fold not in (None, *WEIGHT_GRAD_FOLDS):
+            raise ValueError(f"weight-gradient fold {self.weight_grad_fold!r} is not one of "
+                             f"{', '.join(WEIGHT_GRAD_FOLDS)}")
 
     @property
     def optimizer(self) -> str:
         """The AdamW implementation the step runs (`optimizer_implementation`, or the device's)."""
         return self.optimizer_implementation or ("fused" if self.device_type == "cuda" else "foreach")
+
+    @property
+    def fold(self) -> str:
+        """How the weight gradient reaches the fp32 main gradient (`weight_grad_fold`, or the device's)."""
+        return self.weight_grad_fold or ("fp32-output" if self.device_type == "cuda" else "upcast")
 
     @property
     def attention(self) -> str:
@@ -187,6 +201,9 @@ class Prediction:
     optimizer_step_bytes: tuple[float, ...] = ()
     """Per rank, what the optimizer step allocates above the state (`memory.optimizer_step_transient_bytes`);
     `memory_bytes` is the larger of the backward's peak and state plus this."""
+    backward_bytes: tuple[float, ...] = ()
+    """Per rank, the backward's working set beside state and stashes (`memory.backward_transient_bytes`,
+    the largest over the rank's chunks), in the backward's peak."""
 
     def peak_phase(self, rank: int) -> str:
         """'optimizer' where the optimizer step sets the rank's peak, else 'pipeline'."""

@@ -328,6 +328,85 @@ def transient_activation_bytes(
     return sum(terms.values())
 
 
+# The backward's working set --------------------------------------------------------------------------------
+
+WEIGHT_GRAD_FOLDS = ("fp32-output", "upcast")
+"""How a bf16/fp16 linear layer adds its weight gradient into its fp32 main gradient
+(`core.tensor_parallel.layers.add_to_main_grad`): `fp32-output` where low-precision GEMMs with an fp32 result
+exist (CUDA: one fp32 product the size of the weight shard, then added), `upcast` on the CPU (fp32 copies of
+both GEMM operands, then an fp32 addmm into the main gradient). The dry run's fake tensors are CPU tensors,
+so it runs `upcast`."""
+
+
+def _fold_bytes(tokens: int, out: int, inp: int, fold: str) -> int:
+    """Temporaries of adding `grad_out^T x` ([out, inp]) into the fp32 main gradient of one weight shard."""
+    return FP32_STAT_BYTES * (out * inp if fold == "fp32-output" else tokens * (out + inp))
+
+
+def backward_transient_bytes(
+    config: TransformerConfig,
+    spec: StageSpec,
+    micro_batch_size: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    numerics: Numerics = MEGATRON_BF16,
+    weight_grad_fold: str = "fp32-output",
+) -> int:
+    """Bytes a stage's backward holds at once beyond the state and its stashes as counted whole (ours, from
+    `core.tensor_parallel.layers._LinearFunction.backward` and autograd's freeing order; held to the dry run
+    in docs/planner.md "Against the dry run"): the residual stream's gradient (`rows·h`) plus the largest
+    linear layer's backward while it adds its weight gradient, less what autograd has freed of the same
+    microbatch's stash by then (the layer's backward runs fc2, fc1, projection, QKV):
+
+        column-parallel (QKV, fc1, output layer; output width o = its shard)
+            grad_out s·b·o + grad_input s·b·h (before its reduction) + with sequence parallelism the
+            re-gathered input s·b·h and the reduce-scatter's output rows·h, + the fold
+        row-parallel (projection, fc2; input width i = its shard)
+            with sequence parallelism the gathered grad_out s·b·h, + grad_input s·b·i + the fold
+        fold (weight gradient into the fp32 main gradient)
+            `fp32-output`: 4·o·i (one fp32 product of the weight's size); `upcast`: 4·s·b·(o + i) (fp32
+            copies of grad_out and the input); fp32 models: 4·o·i (autograd's weight gradient)
+        freed before   fc2: nothing; fc1: the MLP's saved tensors (`layer_activation_terms`' "mlp");
+                       projection and QKV: that and at least the MLP half's norm input and linear input
+
+    all in the activation dtype but the fold. On the head stage the output layer's backward runs first,
+    after the cross-entropy's, which has freed its fp32 softmax (`stash_extra_terms`' "cross-entropy
+    softmax"). Not counted: the norms' and the attention core's backward, the embedding's. Derived for
+    low-precision models (bf16/fp16 parameters with fp32 main gradients) only: an fp32 model (this
+    repository's CPU path) adds autograd's weight gradient into `.grad` and its cross-entropy hands its
+    softmax buffer back as the output layer's gradient; 0 there, not modelled."""
+    if weight_grad_fold not in WEIGHT_GRAD_FOLDS:
+        raise ValueError(f"weight-gradient fold {weight_grad_fold!r} is not one of {', '.join(WEIGHT_GRAD_FOLDS)}")
+    s, b, h = config.seq_length, micro_batch_size, config.hidden_size
+    A = numerics.activation_bytes
+    if A >= FP32_STAT_BYTES:
+        return 0
+    tokens = s * b
+    rows = _rows(config, micro_batch_size, tp, sequence_parallel)
+    sp = sequence_parallel and tp > 1
+    f = config.ffn_size // tp
+    fc1 = 2 * f if config.activation == "swiglu" else f
+    mlp = tokens * (2 * fc1 if config.activation == "swiglu" else 2 * f) * A  # the "mlp" stash term
+
+    def column(out: int) -> int:
+        return tokens * out * A + tokens * h * A + (tokens * h * A + rows * h * A if sp else 0) + \
+            _fold_bytes(tokens, out, h, weight_grad_fold)
+
+    def row(inp: int) -> int:
+        return (tokens * h * A if sp else 0) + tokens * inp * A + _fold_bytes(tokens, h, inp, weight_grad_fold)
+
+    candidates = [0]
+    if spec.num_layers:
+        attention_half = mlp + 2 * rows * h * A
+        projection = config.num_attention_heads * config.head_dim // tp
+        candidates += [row(f), column(fc1) - mlp, row(projection) - attention_half,
+                       column(config.qkv_size // tp) - attention_half]
+    if spec.has_head:
+        vocab = config.padded_vocab_size(tp) // tp
+        candidates.append(column(vocab) - tokens * vocab * FP32_STAT_BYTES)
+    return rows * h * A + max(candidates)
+
 def deferred_weight_grad_bytes(
     config: TransformerConfig,
     spec: StageSpec,

@@ -24,6 +24,13 @@ DRY_RUN_OPTIMIZER = "fused"
 """The AdamW kernel the dry run builds by default (`--dry-run-optimizer`): what a GPU job runs."""
 
 
+DRY_RUN_WEIGHT_GRAD_FOLD = "upcast"
+"""How the dry run's bf16 linear layers add weight gradients into the fp32 main gradient: its fake tensors are
+CPU tensors, so `core.tensor_parallel.layers.add_to_main_grad` takes its CPU branch (fp32 copies of both GEMM
+operands) where a GPU with fp32-output GEMMs makes one fp32 product of the weight's size
+(`memory.WEIGHT_GRAD_FOLDS`)."""
+
+
 def optimizer_of(rows: Sequence[dict]) -> str:
     """'fused' or 'foreach': the AdamW kernel a dry run's rows (`RankReport.row()`) built. Rows without
     `optimizer_implementation` come from before `--dry-run-optimizer`, when the dry run's CPU tensors made
@@ -47,7 +54,8 @@ def dry_run_flags(job: Job, cluster: Cluster, c: Configuration, pipeline_rank: i
 def compared_prediction(job: Job, cluster: Cluster, c: Configuration, optimizer: Optional[str] = None) -> Prediction:
     """`c` evaluated exactly (no extrapolation in m) with the AdamW kernel the dry run built (default: the
     job's own, which `dry_run_flags` asks the dry run to build)."""
-    same = dataclasses.replace(job, optimizer_implementation=optimizer or job.optimizer)
+    same = dataclasses.replace(job, optimizer_implementation=optimizer or job.optimizer,
+                               weight_grad_fold=DRY_RUN_WEIGHT_GRAD_FOLD)
     return Evaluator(same, cluster).evaluate(c, exact=True)
 
 
@@ -71,6 +79,7 @@ def compare_rank(predicted: Prediction, measured: dict) -> dict:
         "measured_peak_at": measured["peak_at"], "measured_phase": phase_of(measured["peak_at"]),
         "predicted_phase": predicted.peak_phase(r),
         "predicted_optimizer_step_bytes": predicted.optimizer_step_bytes[r],
+        "predicted_backward_bytes": predicted.backward_bytes[r] if predicted.backward_bytes else 0.0,
     }
 
 
@@ -154,7 +163,7 @@ def planned_from_flags(argv: Sequence[str], world: int, hardware: str = "h100-sx
     device = "cuda" if args.bf16 else "cpu"
     backend = "reference" if args.attention_backend == "reference" else ("flash" if device == "cuda" else "sdpa")
     job = Job(args.model_preset, config, args.global_batch_size, attention_backend=backend, device_type=device,
-              optimizer_implementation=optimizer)
+              optimizer_implementation=optimizer, weight_grad_fold=DRY_RUN_WEIGHT_GRAD_FOLD)
     recompute, options = _planned_recompute(args, job_schedule_options(args))
     c = Configuration(tp=tp, pp=pp, dp=world // (tp * pp), micro_batch_size=args.micro_batch_size,
                       recompute=recompute, schedule=args.pipeline_schedule, num_chunks=num_chunks(args, config),

@@ -136,9 +136,10 @@ def test_never_proposes_a_configuration_over_the_memory_budget(preset, gpus, bat
         assert p.fits and p.peak_memory_bytes <= capacity, p.configuration.label()
         again = fresh.evaluate(p.configuration, exact=True)
         assert again.peak_memory_bytes <= capacity and again.step_s is not None, p.configuration.label()
-        # Memory is the sum of its parts, state from the closed forms of planning.memory.
-        assert p.memory_bytes == pytest.approx([s + a + p.transient_bytes
-                                                for s, a in zip(p.state_bytes, p.stash_bytes)])
+        # Memory is the sum of its parts, state from the closed forms of planning.memory (the backward's
+        # working set per rank: memory.backward_transient_bytes).
+        assert p.memory_bytes == pytest.approx([s + a + p.transient_bytes + w
+                                                for s, a, w in zip(p.state_bytes, p.stash_bytes, p.backward_bytes)])
     assert plan.over_memory > 0  # the budgets are tight enough to discard something
     steps = [p.step_s for p in plan.ranked]
     assert steps == sorted(steps) or all(abs(a - b) <= 1e-3 * a for a, b in zip(steps, sorted(steps)))
