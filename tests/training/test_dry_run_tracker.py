@@ -1,4 +1,4 @@
-"""The dry run's byte count against allocations of known size (megatron_pp/training/dry_run.py, `_LiveBytes`).
+"""The dry run's byte count against allocations of known size, and its per-rank row (megatron_pp/training/dry_run.py).
 
 tests/training/test_dry_run.py holds the dry run to a real run of the same code, through the same tracker, so a
 count that is off by the same amount in both (a tracker starting one byte low, issue 37's mutation survivor
@@ -99,3 +99,22 @@ def test_guest_storages_stay_in_the_device_count_and_are_counted_apart(kind):
     assert during == (4 * N_A + 8 * N_B, 8 * N_B, 8 * N_B)
     assert after == (4 * N_A, 0, 8 * N_B)
     assert tracker.live_bytes == 0 and tracker.peak_bytes == 4 * N_A + 8 * N_B
+
+
+def test_a_rank_row_counts_its_collectives_and_point_to_point_calls_apart():
+    """`RankReport.row()` (a line of --dry-run-json) replaces the recorded calls by their counts: collectives
+    (every call that is not a send or a receive) and point-to-point calls (issue 37's seed-44 survivor counted
+    no collective at all, and no test read the count)."""
+    from megatron_pp.core.comm_check import CommEvent
+
+    calls = [CommEvent("allreduce_", (0, 1), None, ((8,),), "torch.float32"),
+             CommEvent("send", (0, 2), 2, ((4, 1, 8),), "torch.float32"),
+             CommEvent("recv_", (0, 2), 2, ((4, 1, 8),), "torch.float32"),
+             CommEvent("allgather_", (0, 1), None, ((8,), (8,)), "torch.float32"),
+             CommEvent("allreduce_", (0, 1), None, ((1,),), "torch.float32")]
+    report = dry_run.RankReport(rank=0, pipeline_rank=0, tensor_rank=0, data_rank=0, parameter_bytes=1,
+                                gradient_bytes=1, optimizer_bytes=2, stash_peak_bytes=0, transient_peak_bytes=0,
+                                peak_bytes=4, peak_at="F0.0", seconds=0.0, comm=calls)
+    row = report.row()
+    assert (row["collectives"], row["p2p"]) == (3, 2)
+    assert "comm" not in row and row["peak_bytes"] == 4
