@@ -33,6 +33,8 @@ error |trace - sim| / sim against the 15% the zero-bubble issue asks for.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
@@ -82,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", default="equal,split", help="--emulate: cost sets, comma-separated (equal, split)")
     parser.add_argument("--unit-ms", type=float, default=20.0, help="--emulate: one forward, in milliseconds")
     parser.add_argument("--steps", type=int, default=2, help="--emulate: measured steps after one warm-up step")
+    parser.add_argument("--plan", action="append", default=[], metavar="ARGS",
+                        help="--emulate: instead of the schedule grid, emulate the best plan tools/plan.py prints for "
+                             "these arguments (one quoted string; repeatable) with the planner's per-action times "
+                             "scaled so a rank's forward share takes --unit-ms, against its predicted step time "
+                             "(megatron_pp/benchmarks/emulate_plan.py)")
     return parser
 
 
@@ -288,6 +295,38 @@ def _list(text: str, flag: str, kind=str) -> list:
     return values
 
 
+def plan_cases(args: argparse.Namespace) -> list:
+    """For each --plan, the best row tools/plan.py ranks for those arguments, ready to emulate
+    (`emulate_plan.plan_case`). UsageError naming the --plan whose arguments are refused or fit nothing."""
+    import shlex
+
+    if str(_ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(_ROOT / "tools"))
+    import plan as plan_tool
+
+    from megatron_pp.benchmarks.emulate_plan import plan_case
+
+    if not args.unit_ms > 0 or args.steps < 1:
+        raise UsageError(f"--unit-ms must be > 0 and --steps >= 1, got {args.unit_ms} and {args.steps}")
+    cases = []
+    for text in args.plan:
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):  # plan.py's parser prints its one line and exits 2
+                plan_args = plan_tool.parse_args(shlex.split(text))
+            planner = plan_tool.build(plan_args)
+            ranked = planner.plan(top=1, fold=True).ranked
+        except SystemExit:
+            raise UsageError(f"--plan {text!r}: tools/plan.py says {said.getvalue().strip()}") from None
+        except (ValueError, OSError) as err:
+            raise UsageError(f"--plan {text!r}: {err}") from None
+        if not ranked or ranked[0].configuration.pp < 2:
+            raise UsageError(f"--plan {text!r}: " + ("nothing fits" if not ranked else "the best plan has no pipeline "
+                                                     "(pp 1); narrow --schedules or give fewer GPUs memory"))
+        cases.append(plan_case(text, planner, ranked[0], args.unit_ms / 1e3))
+    return cases
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -297,7 +336,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         unknown = [n for n in names if n not in list_schedules() and not (args.emulate and names == ["all"])]
         if unknown:
             raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}")
-        if args.emulate:
+        if args.plan and not args.emulate:
+            raise UsageError("--plan needs --emulate")
+        if args.emulate and args.plan:
+            cases = plan_cases(args)  # every plan made and its lists built before the first pool starts
+        elif args.emulate:
             from megatron_pp.benchmarks.emulate_report import plan_emulation, run_emulation
 
             plan = plan_emulation(args, pps, names)  # every list built and checked before the first pool starts
@@ -314,6 +357,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UsageError, ValueError) as err:
         print(f"trace_vs_sim.py: error: {err}", file=sys.stderr)
         return 2
+    if args.emulate and args.plan:
+        from megatron_pp.benchmarks.emulate_report import run_plan_emulation
+
+        return run_plan_emulation(args, cases, argv)
     if args.emulate:
         return run_emulation(args, plan, argv)
     import torch

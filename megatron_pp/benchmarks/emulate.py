@@ -20,10 +20,15 @@ the way `ExecutorHooks` adds behaviour without touching the loop):
   for its stash's copy back, an F for the EVICTs issued before it (`schedules.simulate`). The acceptor's
   side of an EVICT (its ACCEPT post) is not waited for here: the real `PeerStore` does what it does.
 
-Not emulated: point-to-point transfer time beyond gloo's own; the simulator is given latency 0, so a
-full-size activation's link time is outside this comparison. What the executor adds beyond the costs is
-taken apart along each measured step's critical path (`critical_path`): overruns, the executor's work
-between a rank's compute actions, producer-to-consumer hops, waits.
+- Point-to-point transfers: with a `p2p_latency` in the cost model (the planner's, from a full-size
+  activation's bytes over the pipeline link), a consumer's input is in no earlier than its transfer's end
+  as one link per direction moving one message at a time has it, from when both its send and its receive
+  were posted (`Emulator.transfer_end`; ranks publish their send times in a shared file, `link_times`).
+  With latency 0 (the schedule grids) only gloo's own time.
+
+What the executor adds beyond the costs is taken apart along each measured step's critical path
+(`emulate_measure.critical_path`): overruns, the executor's work between a rank's compute actions,
+producer-to-consumer hops, waits. This module is the ranks' side; `emulate_measure` reads their records.
 
 This is a benchmark mode: it lives here and in `tools/trace_vs_sim.py --emulate`, never behind a training
 flag. Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of a host),
@@ -37,13 +42,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_pp.schedules.ir import Op, Schedule
-from megatron_pp.schedules.simulate import CostModel, simulate
+from megatron_pp.schedules.simulate import CostModel
 
 # Virtual stages and builder options per schedule family: the variant the issue names (PO-H offloads, the
 # looped schedule reduces layer by layer).
@@ -113,11 +118,29 @@ def tighten_timer_slack() -> bool:
         return False
 
 
+def thread_blocking() -> tuple[float, int]:
+    """The calling thread's time off the CPU by its own choice so far (up to a constant) and its voluntary
+    context switches. Off-CPU time is the wall clock less the thread's CPU time less the time it spent
+    runnable in a run queue waiting for a core (/proc/thread-self/schedstat's second field, up to date
+    when the running thread reads it): what a loaded host takes from a rank is run-queue time, which this
+    leaves out; what remains is sleeping or blocking. Linux only (OSError elsewhere)."""
+    with open("/proc/thread-self/schedstat") as f:
+        queued = int(f.read().split()[1]) / 1e9
+    return _now() - time.thread_time() - queued, resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
+def _since(mark: tuple[float, int], now: tuple[float, int]) -> tuple[float, int]:
+    return now[0] - mark[0], now[1] - mark[1]
+
+
 @dataclass
 class Emulator:
     """Wraps one executor's handlers so compute and stash copies take `costs`' durations (module docstring).
     Records, per step, every compute action's (label, start, end, waited, own, cost) and every copy's
-    (label, start, end) on the shared clock, and every message posting (`posts`)."""
+    (label, start, end) on the shared clock, and every message posting (`posts`). With `account`, also
+    where the rank's thread blocked (`blocking`, per compute action: `thread_blocking` in the gap since the
+    previous compute action ended, and inside the action's handler outside the wait for its own received
+    input), which `tests/benchmarks/test_emulate.py` holds to the list's own waits."""
 
     executor: object
     schedule: Schedule
@@ -125,6 +148,11 @@ class Emulator:
     compute: list = field(default_factory=list)
     copies: list = field(default_factory=list)
     posts: list = field(default_factory=list)
+    account: bool = False
+    blocking: list = field(default_factory=list)
+    sent: object = None
+    """With a point-to-point latency in `costs`: a tensor [p, p, messages] of float64 mapped shared between the
+    ranks (`link_times`), where each rank writes when it posted its k-th send to each peer before posting it."""
 
     def __post_init__(self) -> None:
         ex = self.executor
@@ -137,10 +165,18 @@ class Emulator:
             ex.handlers[Op.STEP] = lambda action: None
         if ex.comm is not None:
             self._record_posts(ex.comm)
+        if self.account:
+            self._account_input_waits()
+        self._inputs = consumed_messages(self.schedule, ex.rank)
         self.reset()
 
     def reset(self) -> None:
-        self.compute, self.copies, self.posts = [], [], []
+        self.compute, self.copies, self.posts, self.blocking = [], [], [], []
+        self._mark: tuple | None = None  # thread_blocking() when the last compute action ended
+        self._sends: dict = {}  # peer -> sends posted to it this step
+        self._receives: dict = {}  # peer -> when each receive from it was posted this step
+        self._arrivals: dict = {}  # peer -> emulated end of each transfer from it (`transfer_end`)
+        self._in_takes = (0.0, 0)  # thread_blocking() spent in the executor's waits for received inputs
         self._lanes: dict = {}
         self._away: dict = {}
         self._back_at: dict = {}
@@ -161,16 +197,68 @@ class Emulator:
                 _sleep_until(self._back_at.pop(key, 0.0))
             copy_wait = _now() - begin
             waited_before = self.executor._wait_s  # the executor's time blocked on received inputs
+            if self.account:
+                marks = [thread_blocking()]
+                self._in_takes = (0.0, 0)
             called = _now()
             real(action)
             returned = _now()
+            if self.account:
+                marks.append(thread_blocking())
             input_wait = self.executor._wait_s - waited_before
             duration = self.costs.duration(action.op, self._stage[action.chunk])
-            deadline = begin + copy_wait + input_wait + duration
+            ready = begin + copy_wait + input_wait
+            if self.costs.p2p_latency > 0:
+                arrived = max((self.transfer_end(peer, k) for peer, k in self._inputs.get(str(action), ())),
+                              default=ready)
+                input_wait += max(0.0, arrived - ready)
+                ready = max(ready, arrived)
+            deadline = ready + duration
             _sleep_until(deadline)
             self.compute.append((str(action), begin, _now(), copy_wait + input_wait, returned - called - input_wait,
                                  duration, deadline - returned))
+            if self.account:
+                self._record_blocking(str(action), marks)
         return run
+
+    def transfer_end(self, peer: int, k: int) -> float:
+        """When the k-th message from `peer` this step is in, as a link that moves one message at a time
+        would have it: it starts when both its send and its receive are posted (a transfer cannot start
+        before its receive is posted) and the link has finished the message before it, and takes the cost
+        model's `p2p_latency`. The simulator has only send + latency. The sender published its posting time
+        before posting the send, so it is there once the data is."""
+        ends = self._arrivals.setdefault(peer, [])
+        rank = self.executor.rank
+        while len(ends) <= k:
+            j = len(ends)
+            start = max(float(self.sent[peer, rank, j]), self._receives[peer][j], ends[-1] if ends else 0.0)
+            ends.append(start + self.costs.p2p_latency)
+        return ends[k]
+
+    def _account_input_waits(self) -> None:
+        """Wrap the executor's take of a received input (where it waits for it) to add up `thread_blocking`
+        inside those waits: the one place an action's handler may block."""
+        take = self.executor._take
+
+        def taking(table, key):
+            mark = thread_blocking()
+            try:
+                return take(table, key)
+            finally:
+                blocked, switches = _since(mark, thread_blocking())
+                self._in_takes = (self._in_takes[0] + blocked, self._in_takes[1] + switches)
+
+        self.executor._take = taking
+
+    def _record_blocking(self, label: str, marks: list) -> None:
+        """(label, gap blocked s, gap switches, handler blocked s, handler switches) of one compute action: the
+        gap from the previous compute action's end to this one's call (none for the first: the step's start
+        is a barrier), the handler less its waits for received inputs."""
+        called, returned = marks
+        gap = _since(self._mark, called) if self._mark is not None else (0.0, 0)
+        inside = _since(called, returned)
+        self.blocking.append((label, *gap, inside[0] - self._in_takes[0], inside[1] - self._in_takes[1]))
+        self._mark = thread_blocking()
 
     def _timed_copy(self, real):
         def run(action) -> None:
@@ -198,10 +286,18 @@ class Emulator:
         def posting(sends, recvs):
             now = _now()
             self.posts.extend([("send", peer, now) for _, peer, _ in sends] + [("recv", peer, now) for _, peer in recvs])
+            for _, peer, _ in sends:
+                k = self._sends[peer] = self._sends.get(peer, -1) + 1
+                if self.sent is not None:
+                    self.sent[self.executor.rank, peer, k] = now  # before the data can reach the peer
+            for _, peer in recvs:
+                self._receives.setdefault(peer, []).append(now)
             return post(sends, recvs)
 
         def posting_receive(buffer, peer):
-            self.posts.append(("recv", peer, _now()))
+            now = _now()
+            self.posts.append(("recv", peer, now))
+            self._receives.setdefault(peer, []).append(now)
             return post_receive(buffer, peer)
 
         comm.post, comm.post_receive = posting, posting_receive
@@ -286,17 +382,24 @@ def emulated_batches(microbatches: int) -> list[dict]:
             for _ in range(microbatches)]
 
 
-def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) -> list[list[dict]]:
+def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int,
+                   account: bool = False, links: str | None = None) -> list[list[dict]]:
     """Run `steps` emulated steps of `schedule` under each cost model on this rank; per cost model and step,
-    this rank's records (times on the host's monotonic clock). The pipeline is built once per schedule."""
+    this rank's records (times on the host's monotonic clock). The pipeline is built once per schedule.
+    `account`: also record where the rank's thread blocked (`Emulator.account`; a few /proc reads an action,
+    so the benchmark leaves it off). `links`: the file of `new_link_file`, needed when a cost model has a
+    point-to-point latency (each transfer then takes it: `Emulator.transfer_end`)."""
     from megatron_pp.core import comm
 
     state = ctx.parallel_state(1, schedule.num_ranks)
-    key = (schedule.name, schedule.num_ranks, schedule.num_microbatches)
+    if links is None and any(model.p2p_latency > 0 for model in costs):
+        raise ValueError("a point-to-point latency needs the shared file of send times (links=new_link_file(...))")
+    key = (schedule.name, schedule.num_ranks, schedule.num_microbatches, schedule.num_chunks, account, links)
     if key not in _EMULATED:
         _EMULATED.clear()  # one pipeline at a time: a grid builds many
         chunks, executor = emulated_pipeline(schedule, state)
-        _EMULATED[key] = (chunks, executor, Emulator(executor, schedule, costs[0]),
+        sent = None if links is None else link_times(links, schedule)
+        _EMULATED[key] = (chunks, executor, Emulator(executor, schedule, costs[0], account=account, sent=sent),
                           emulated_batches(schedule.num_microbatches))
     chunks, executor, emulator, batches = _EMULATED[key]
     prioritised = raise_priority()  # again each call: threads started since (gloo's) inherit nothing earlier
@@ -314,162 +417,57 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int) 
             comm.barrier()
             result = executor.run(batches, loss_scale=1.0 / tokens)
             out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
-                            "copies": emulator.copies, "posts": emulator.posts, "load": os.getloadavg()[0],
+                            "copies": emulator.copies, "posts": emulator.posts, "blocking": emulator.blocking,
+                            "load": os.getloadavg()[0],
                             "prioritised": prioritised, "timer_slack_1ns": tight,
                             "receives_ahead": dict(executor.receives_ahead)})
     return out
 
 
-# Parent side ---------------------------------------------------------------------------------------------
+def _consumer(actions, index: int, a) -> str:
+    """The compute action a receive at `index` feeds: the next F (RECV_F) or B/BI (RECV_B) of its (microbatch,
+    chunk)."""
+    kinds = {Op.F} if a.op is Op.RECV_F else {Op.B, Op.BI}
+    while not (actions[index].op in kinds and (actions[index].microbatch, actions[index].chunk)
+               == (a.microbatch, a.chunk)):
+        index += 1
+    return str(actions[index])
 
 
-def step_window(per_rank: list[dict]) -> tuple[float, float]:
-    """(start, end) of one step on the shared clock: from the first compute action's start (the simulator's
-    time 0; ranks leave the barrier before it some milliseconds apart) to the last action's end."""
-    start = min(r["compute"][0][1] for r in per_rank)
-    end = max([r["started"] + e for r in per_rank for _, _, e in r["events"]]
-              + [c[2] for r in per_rank for c in r["copies"]])
-    return start, end
-
-
-def measure(per_rank: list[dict]) -> dict:
-    """Step time, bubble (mean over ranks of (window - busy) / window, busy = the rank's compute net of its
-    waits, as `simulate` defines it), the tiny model's share of busy time, and where a measured step can
-    exceed the simulated one: actions outlasting their cost (`overrun_s`, a late wake-up or own work beyond
-    the cost), the executor's work between compute actions (`gap_s`: posting, the loop), medians in seconds;
-    each action's slack (its cost less its own work: median and least) and the actions whose own work
-    exceeded their cost (`overran`, with up to five labels)."""
-    start, end = step_window(per_rank)
-    window = end - start
-    busy = [sum(c[2] - c[1] - c[3] for c in r["compute"]) for r in per_rank]
-    own = sum(c[4] for r in per_rank for c in r["compute"])
-    overrun = [c[2] - c[1] - c[3] - c[5] for r in per_rank for c in r["compute"]]
-    gaps = [b[1] - a[2] for r in per_rank for a, b in zip(r["compute"], r["compute"][1:])]
-    slack = [(c[6], f"rank {rank} {c[0]}") for rank, r in enumerate(per_rank) for c in r["compute"] if len(c) > 6]
-    late = sorted(x for x in slack if x[0] < 0)
-    return {"step_s": window, "bubble": sum((window - b) / window for b in busy) / len(busy),
-            "model_share": own / sum(busy), "busy_s": busy, "overrun_s": statistics.median(overrun),
-            "gap_s": statistics.median(gaps) if gaps else 0.0,
-            "slack_s": statistics.median(x for x, _ in slack) if slack else None,
-            "least_slack_s": min(x for x, _ in slack) if slack else None,
-            "actions": len(overrun), "overran": len(late), "overran_actions": [label for _, label in late[:5]]}
-
-
-def _producers(schedule: Schedule) -> dict:
-    """(rank, consumer label) -> (peer, producer label) for every received input: the k-th receive of a link
-    is the k-th send on it; a send's producer is the last compute action before it of its (microbatch,
-    chunk) and kind (F for SEND_F, B or BI for SEND_B), a receive's consumer the next one after it."""
-    forward, backward = {Op.F}, {Op.B, Op.BI}
-
-    def near(actions, index, step, kinds, a):
-        while not (actions[index].op in kinds and (actions[index].microbatch, actions[index].chunk)
-                   == (a.microbatch, a.chunk)):
-            index += step
-        return str(actions[index])
-
-    sent: dict = {}
-    for rank, actions in enumerate(schedule.actions):
-        for i, a in enumerate(actions):
-            if a.op in (Op.SEND_F, Op.SEND_B):
-                kinds = forward if a.op is Op.SEND_F else backward
-                sent.setdefault((rank, a.peer), []).append(near(actions, i, -1, kinds, a))
-    out, k = {}, {}
-    for rank, actions in enumerate(schedule.actions):
-        for i, a in enumerate(actions):
-            if a.op in (Op.RECV_F, Op.RECV_B):
-                n = k[a.peer, rank] = k.get((a.peer, rank), -1) + 1
-                kinds = forward if a.op is Op.RECV_F else backward
-                out[rank, near(actions, i, 1, kinds, a)] = (a.peer, sent[a.peer, rank][n])
+def consumed_messages(schedule: Schedule, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """Compute action label -> the (peer, k) of each message it consumes on `rank`: its input is the k-th
+    receive from that peer in the list (the k-th send of the peer to this rank)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    count: dict[int, int] = {}
+    actions = schedule.actions[rank]
+    for i, a in enumerate(actions):
+        if a.op in (Op.RECV_F, Op.RECV_B):
+            k = count[a.peer] = count.get(a.peer, -1) + 1
+            out.setdefault(_consumer(actions, i, a), []).append((a.peer, k))
     return out
 
 
-def critical_path(schedule: Schedule, per_rank: list[dict]) -> dict:
-    """The measured step taken apart along its critical path, in seconds: from the compute action that ends
-    last, back through whatever each action started after (its received input, if its producer ended after
-    it was called, else the previous compute action of its rank) to the step's start. The parts add up to
-    the step (up to a copy ending last): `cost` (the cost model's, what the simulator has), `overrun`
-    (actions outlasting their cost), `gap` (the executor's work between two compute actions of a rank),
-    `hop` (a producer's end to its consumer's input being in: posting the send, gloo, the receiver's
-    wake-up; the simulator's latency is 0), `wait` (a consumer waiting for a stash copy), `lead` (the path's
-    first action starting after the step's)."""
-    records = [r["compute"] for r in per_rank]
-    index = [{c[0]: i for i, c in enumerate(rec)} for rec in records]
-    producers = _producers(schedule)
-    start, _ = step_window(per_rank)
-    rank = max(range(len(records)), key=lambda r: records[r][-1][2])
-    i = len(records[rank]) - 1
-    parts = dict.fromkeys(("cost", "overrun", "gap", "hop", "wait", "lead"), 0.0)
-    while True:
-        label, begin, end, waited, _, cost, *_ = records[rank][i]
-        parts["cost"] += cost
-        parts["overrun"] += end - begin - waited - cost
-        source = producers.get((rank, label))
-        if source is not None and records[source[0]][index[source[0]][source[1]]][2] > begin:
-            peer, produced = source
-            parts["hop"] += begin + waited - records[peer][index[peer][produced]][2]
-            rank, i = peer, index[peer][produced]
-        elif i > 0:
-            parts["wait"] += waited
-            parts["gap"] += begin - records[rank][i - 1][2]
-            i -= 1
-        else:
-            parts["wait"] += waited
-            parts["lead"] += begin - start
-            return parts
+def link_times(path: str, schedule: Schedule):
+    """The shared [p, p, messages] float64 tensor of send posting times (`Emulator.sent`) mapped from `path`
+    (a file of zeros the parent made, `new_link_file`), where every rank of the pipeline maps the same."""
+    import torch
+
+    p, n = schedule.num_ranks, max_link_messages(schedule)
+    return torch.from_file(path, shared=True, size=p * p * n, dtype=torch.float64).view(p, p, n)
 
 
-def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: list[str], unit_s: float, steps: int,
-             log=print) -> list[dict]:
-    """Every (schedule, m) of the grid on one pool of `pp` workers, each built once and run under every cost
-    set of `kinds`: one warm-up step, then `steps` measured; rows with the median measured step and bubble
-    beside the simulated ones. A forward of a rank's whole share of the layers takes `unit_s`: with v chunks
-    per rank, one chunk's forward takes unit_s / v (the same model, cut finer), so step times of schedules
-    with different v compare as the same job's."""
-    rows = []
-    for m in microbatches:
-        for name in names:
-            schedule = family_schedule(name, pp, m)
-            costs = {kind: cost_model(kind, unit_s / schedule.num_chunks) for kind in kinds}
-            runs = pool.run(worker_emulate, schedule, list(costs.values()), steps + 1, timeout=900)
-            for c, (kind, model) in enumerate(costs.items()):
-                row = compare(schedule, model, [[runs[r][c][k] for r in range(pp)] for k in range(steps + 1)])
-                rows.append({"costs": kind, **row})
-                log(f"{name:>17} p={pp:<2} m={m:<3} {kind}: step {row['measured_step_s']:.3f} s (sim "
-                    f"{row['simulated_step_s']:.3f}, {100 * row['step_error']:+.1f}%)  bubble "
-                    f"{row['measured_bubble']:.3f} (sim {row['simulated_bubble']:.3f})  model "
-                    f"{100 * row['model_share']:.1f}%  load {row['load_average'][1]:.1f}")
-    return rows
+def max_link_messages(schedule: Schedule) -> int:
+    counts: dict = {}
+    for rank, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                counts[rank, a.peer] = counts.get((rank, a.peer), 0) + 1
+    return max(counts.values(), default=1)
 
 
-def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> dict:
-    """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)`."""
-    import statistics
-
-    sim = simulate(schedule, costs)
-    per_step = [{**measure(step), "path": critical_path(schedule, step)} for step in steps[1:]]
-    step = statistics.median(x["step_s"] for x in per_step)
-    bubble = statistics.median(x["bubble"] for x in per_step)
-    loads = [rank["load"] for s in steps for rank in s[:1]]
-    row = {"pp": schedule.num_ranks, "schedule": schedule.name, "chunks": schedule.num_chunks,
-           "microbatches": schedule.num_microbatches, "measured_step_s": step, "simulated_step_s": sim.makespan,
-           "measured_bubble": bubble, "simulated_bubble": sim.bubble_fraction, "step_error": step / sim.makespan - 1,
-           "bubble_error": (bubble - sim.bubble_fraction) / sim.bubble_fraction if sim.bubble_fraction else None,
-           "steps_s": [x["step_s"] for x in per_step], "bubbles": [x["bubble"] for x in per_step],
-           "model_share": statistics.median(x["model_share"] for x in per_step),
-           "action_overrun_ms": 1e3 * statistics.median(x["overrun_s"] for x in per_step),
-           "executor_gap_ms": 1e3 * statistics.median(x["gap_s"] for x in per_step),
-           "action_slack_ms": 1e3 * statistics.median(x["slack_s"] for x in per_step),
-           "least_action_slack_ms": 1e3 * min(x["least_slack_s"] for x in per_step),
-           "actions_per_step": per_step[0]["actions"],
-           "actions_over_cost": [x["overran"] for x in per_step],
-           "actions_over_cost_examples": next((x["overran_actions"] for x in per_step if x["overran"]), []),
-           "receives_ahead_max": max([k for rank in steps[0] for k in rank.get("receives_ahead", {}).values()],
-                                     default=1),
-           "critical_path_ms": {part: 1e3 * statistics.median(x["path"][part] for x in per_step)
-                                for part in per_step[0]["path"]},
-           "load_average": [min(loads), max(loads)],
-           "raised_priority": all(rank.get("prioritised", False) for s in steps for rank in s),
-           "timer_slack_1ns": all(rank.get("timer_slack_1ns", False) for s in steps for rank in s)}
-    row["within_target"] = abs(row["step_error"]) <= 0.05 and (
-        row["bubble_error"] is None or abs(row["bubble_error"]) <= 0.15)
-    return row
+def new_link_file(folder: str, schedule: Schedule) -> str:
+    """A file of zeros for `link_times` in `folder` (the caller removes the folder)."""
+    path = os.path.join(folder, f"links_{schedule.name}_{schedule.num_ranks}_{schedule.num_microbatches}.bin")
+    with open(path, "wb") as f:
+        f.truncate(8 * schedule.num_ranks ** 2 * max_link_messages(schedule))
+    return path

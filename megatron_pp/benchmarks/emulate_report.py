@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import time
 from dataclasses import dataclass
 
-from megatron_pp.benchmarks.emulate import FAMILIES, family_schedule, run_grid
+from megatron_pp.benchmarks.emulate import FAMILIES, family_schedule
+from megatron_pp.benchmarks.emulate_measure import run_grid
 from megatron_pp.cli import UsageError, write_json
 
 CLAIMS = [("zb-h1", "1f1b"), ("zb-v", "interleaved-1f1b"), ("v-half", "1f1b"), ("gis", "interleaved-1f1b")]
@@ -125,6 +127,45 @@ def run_emulation(args, plan: EmulationPlan, argv: list[str]) -> int:
     return 0
 
 
+def run_plan_emulation(args, cases: list, argv: list[str]) -> int:
+    """`--emulate --plan ...`: each plan emulated on a pool of its pipeline size; JSON rows of `emulate_plan`."""
+    import torch
+
+    from megatron_pp.benchmarks.emulate_plan import run_plans
+    from megatron_pp.core.local_world import WorkerPool
+
+    load_start, started, pools = os.getloadavg(), time.time(), {}
+
+    def pool_for(pp: int):
+        for size in [s for s in pools if s != pp]:
+            pools.pop(size).close()  # one pool at a time on a small host
+        if pp not in pools:
+            pools[pp] = WorkerPool(pp)
+        return pools[pp]
+
+    try:
+        rows = run_plans(pool_for, cases, args.steps, log=lambda line: print(line, flush=True))
+    finally:
+        for pool in pools.values():
+            pool.close()
+    if args.json:
+        write_json(args.json, {
+            "command": "python tools/trace_vs_sim.py " + " ".join(shlex.quote(a) for a in argv),
+            "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, 1 thread per rank",
+            "torch": torch.__version__, "unit_ms": args.unit_ms, "steps_measured": args.steps,
+            "scaling": "every planner time (F, B, BI, BW per stage, host and peer copies, p2p latency) times one "
+                       "factor per plan (`scale`), so that the mean rank's forward share takes unit_ms; emulated "
+                       "times are divided by it again (real seconds) in *_s fields, critical_path_ms is emulated",
+            "definitions": "emulated_pipeline_s: first compute action's start to the last action's end; "
+                           "emulated_step_s: to the latest rank's end plus its after-pipeline time (the planner's "
+                           "reduction and optimizer step, a closed form); simulated_pipeline_s: the lists at the "
+                           "plan's m simulated exactly (the planner extrapolates above 3p + r); medians over the "
+                           "measured steps",
+            "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
+            "wall_s": time.time() - started, "rows": rows})
+    return 0
+
+
 def _report(args, argv, rows, load_start, started, torch_version) -> dict:
     within = [r for r in rows if r["within_target"]]
     return {
@@ -138,7 +179,7 @@ def _report(args, argv, rows, load_start, started, torch_version) -> dict:
         "receives_ahead": "per incoming link, receives kept posted ahead by the executor (simulate.receives_ahead); "
                           "rows: receives_ahead_max over the schedule's links",
         "critical_path": "rows: critical_path_ms, the measured step taken apart along its critical path "
-                         "(emulate.critical_path; medians over the measured steps): cost + overrun + gap + hop + "
+                         "(emulate_measure.critical_path; medians over the measured steps): cost + overrun + gap + hop + "
                          "wait + lead = step",
         "cost_sets": {"equal": "F = 1, B = 2, BI = BW = 1 unit per rank's share of the layers (1/v unit per chunk)",
                       "split": "F = 1, B = 2, BI and BW from docs/results/split_backward_cpu.json (F = B/2 ours)"},

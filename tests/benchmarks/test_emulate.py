@@ -1,12 +1,13 @@
 """Emulated compute (megatron_pp/benchmarks/emulate.py): orderings and causality of short emulated runs at p = 4,
 never wall-clock targets. Each run is a real executor over gloo with every compute action sleeping 20 ms a
-unit; what is asserted holds on any machine load (a bound that involves time is one whole action wide)."""
+unit; what is asserted holds on any machine load (a bound that involves time is one whole action wide, and the
+check that no rank idles while its next action is ready counts the rank's voluntary waits, not time)."""
 from collections import defaultdict
 
 import pytest
 
-from megatron_pp.benchmarks.emulate import (Emulator, cost_model, critical_path, family_schedule, measure,
-                                            worker_emulate)
+from megatron_pp.benchmarks.emulate import Emulator, cost_model, family_schedule, worker_emulate
+from megatron_pp.benchmarks.emulate_measure import critical_path, measure
 from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.simulate import CostModel, receives_ahead, simulate
 from tests.dist import run_distributed
@@ -14,10 +15,10 @@ from tests.dist import run_distributed
 UNIT_S = 0.02
 
 
-def _run(name: str, m: int, unit_s: float = UNIT_S) -> tuple:
+def _run(name: str, m: int, unit_s: float = UNIT_S, account: bool = False) -> tuple:
     schedule = family_schedule(name, 4, m)
     costs = cost_model("equal", unit_s)
-    runs = run_distributed(4, worker_emulate, schedule, [costs], 2)
+    runs = run_distributed(4, worker_emulate, schedule, [costs], 2, account=account)
     return schedule, [runs[r][0][1] for r in range(4)]  # the second step (the first builds and warms up)
 
 
@@ -84,17 +85,22 @@ def test_receives_are_posted_before_their_send_and_no_input_is_used_before_it_is
         assert [label for label, *_ in record["compute"]] == [str(a) for a in schedule.actions[rank] if a.is_compute]
 
 
-def test_no_rank_idles_while_its_next_action_is_ready():
-    """A compute action whose input was sent before it began waits at most one action's time (20 ms here; the
-    bound absorbs wake-up latency on a loaded host); one whose input came later starts within that of the send."""
-    unit = UNIT_S
-    schedule, step = _run("zb-h1", 8, unit)
-    for send, _, (begin, end, waited, own, cost, slack) in _messages(schedule, step):
-        if send <= begin:
-            assert waited <= unit
-        else:
-            assert begin + waited <= send + unit
-
+@pytest.mark.parametrize("name", ["zb-h1", "interleaved-1f1b"])
+def test_no_rank_idles_while_its_next_action_is_ready(name):
+    """A rank's thread blocks only where its list makes it wait: for the received input of the compute action
+    it runs, or in that action's emulated cost. Between two compute actions (posting the list's sends and
+    receives, the loop) and in a handler outside that wait it does not sleep or block: counted as the
+    thread's voluntary context switches there (`Emulator.account`). A loaded host preempts a thread
+    (involuntary switches) or delays it in a run queue, neither of which counts, so the check holds on any
+    load; what a futex on a lock that gloo's own thread holds for a moment can add is allowed in one place
+    out of ten. An executor that holds its ready actions blocks in nearly every gap and fails: planted by hand
+    as a 1 ms sleep before each compute action in `PipelineExecutor.run`, 23 of 24 places blocked on a rank."""
+    schedule, step = _run(name, 8, account=True)
+    for rank, record in enumerate(step):
+        blocking = record["blocking"]
+        assert [label for label, *_ in blocking] == [label for label, *_ in record["compute"]]
+        blocked = [label for label, _, gap, _, inside in blocking if gap or inside]
+        assert len(blocked) <= len(blocking) // 10, (rank, blocked)
 
 def test_stash_copies_finish_before_the_backward_that_needs_them():
     schedule, step = _run("po-h", 8)
