@@ -42,10 +42,10 @@ without `--overlap-grad-reduce`). The step time is the latest rank's end of all 
                                       do not count, a stash parked on a peer counts on the peer
                                       (`resident_peaks`; `list_order_peaks` when nothing moves)
     deferred weight gradients         a (microbatch, chunk) whose BW does not follow its BI in the rank's list
-                                      (`schedules.execute.deferred_backwards`, the executor's own rule) also
-                                      holds `memory.deferred_weight_grad_bytes` from its BI to its BW: the
-                                      output gradients of its linear layers (and, under full recompute,
-                                      their rebuilt inputs), as the executor's store counts them
+                                      (`schedules.execute.deferred_backwards`, the executor's own rule)
+                                      changes by `memory.deferred_weight_grad_bytes` from its BI to its BW:
+                                      BI frees what BW does not read and adds the output gradients of its
+                                      linear layers, as the executor's store counts them
     recomputation transient           one layer rebuilt during the backward (`transient_activation_bytes`)
     backward working set              per rank, its largest chunk's `memory.backward_transient_bytes` (ours): the
                                       residual gradient plus the largest linear layer's backward while it
@@ -144,7 +144,7 @@ class _Prepared:
     m: int
     stash: list[int]
     held: list[int]
-    """Per global stage, what a deferred BW holds from its BI until it runs (`memory.deferred_weight_grad_bytes`)."""
+    """Per global stage, how a stash changes from a deferred BW's BI until it runs (`memory.deferred_weight_grad_bytes`)."""
     transient: float
     versions: int
     groups: list[tuple[Schedule, ...]]
@@ -286,8 +286,9 @@ class Evaluator:
         return [(costs[(Op.F, s)], costs[(Op.B, s)]) for s in range(c.pp * c.num_chunks)]
 
     def stage_held_bytes(self, c: Configuration) -> list[int]:
-        """Bytes a (microbatch, stage) stash holds beyond its own from a deferred BW's BI until that BW."""
-        return self._activation_bytes_per_stage(c, "held", deferred_weight_grad_bytes)
+        """How a (microbatch, stage) stash changes from a deferred BW's BI until that BW (either sign)."""
+        return self._activation_bytes_per_stage(
+            c, "held", lambda *args, **kw: deferred_weight_grad_bytes(*args, attention=self.job.attention, **kw))
 
     def costs(self, c: Configuration, stash: Sequence[float]) -> CostModel:
         """The simulator's cost model of `c` (see the module docstring)."""

@@ -414,28 +414,47 @@ def deferred_weight_grad_bytes(
     *,
     tp: int = 1,
     sequence_parallel: bool = False,
+    attention: str = "flash",
     recompute: str = "none",
     numerics: Numerics = MEGATRON_BF16,
 ) -> int:
-    """Bytes a stage's stash keeps beyond `stash_bytes` from a split backward's BI until its BW, when the BW
-    does not follow right after (`core.tensor_parallel.layers.WeightGradStore`): every deferred linear
-    layer's output gradient (QKV `s·b·(a+2g)d/t`, projection and fc2 `s·b·h`, fc1 `s·b·f/t`, twice f for
-    SwiGLU; an untied output layer's `s·b·V/t`) and, under full recomputation, the layer inputs that BI
-    rebuilt outside the stash (`rows·h` for QKV and fc1, `s·b·a·d/t` and `s·b·f/t` for projection and fc2;
-    otherwise the inputs are the forward's saved tensors, already counted)."""
+    """How a stage's stash changes at a split backward's BI whose BW does not follow right after, as the
+    executor's store counts it (a storage counts until it dies): + what BW holds, − what BI frees. Either
+    sign: at tp 1 BI frees more than it adds; with sequence parallelism at large tp the projection's and
+    fc2's output gradients (`s·b·h`, the whole sequence, gathered for their input gradient) outweigh the
+    sharded tensors BI frees (LLaMA-3-70B at tp 8, s 4096, b 1: +75 MiB a layer, 44% of its stash).
+
+    BW holds (`core.tensor_parallel.layers.WeightGradStore`) every deferred linear layer's output gradient
+    (QKV `s·b·(a+2g)d/t`, projection and fc2 `s·b·h`, fc1 `s·b·f/t`, twice f for SwiGLU; an untied output
+    layer's `s·b·V/t`) and its input: the norm outputs read by QKV and fc1 (`rows·h` each), the attention
+    output (`s·b·a·d/t`) and the MLP activation's output (`s·b·f/t`) per layer, the final norm's output
+    for an untied output layer — the forward's saved tensors, or under full recomputation the ones BI
+    rebuilt. Batch tensors the forward saved stay too (the executor keeps the microbatch to the step's end):
+    the token ids at tp = 1 (tp > 1 saves shifted local ids, which die), materialised position ids and the
+    loss mask. Everything else the stash counted dies in BI (norm inputs and statistics, q/k/v, the
+    attention core's tensors, the MLP's other tensors, dropout masks, RoPE tables, the cross-entropy's fp32
+    softmax, the chunk input). Where activations are fp32 the cross-entropy hands its softmax buffer back as
+    the output layer's gradient: one storage, the same bytes either way. Ours, from the model's code;
+    tests/planning/test_zero_bubble_memory.py holds it to the store on CPU."""
     s, b, h, d = config.seq_length, micro_batch_size, config.hidden_size, config.head_dim
     A = numerics.activation_bytes
     tokens = s * b
     rows = _rows(config, micro_batch_size, tp, sequence_parallel)
     heads, groups, f = config.num_attention_heads // tp, config.query_groups // tp, config.ffn_size // tp
     fc1 = 2 * f if config.activation == "swiglu" else f
-    per_layer = tokens * ((heads + 2 * groups) * d + h + fc1 + h) * A
-    if recompute == "full":
-        per_layer += (2 * rows * h + tokens * (heads * d + f)) * A
-    total = spec.num_layers * per_layer
-    if spec.has_head and config.untie_embeddings_and_output_weights:
-        total += tokens * (config.padded_vocab_size(tp) // tp) * A
-    return total
+    gradients = tokens * ((heads + 2 * groups) * d + h + fc1 + h) * A
+    inputs = (2 * rows * h + tokens * (heads * d + f)) * A
+    held = spec.num_layers * (gradients + inputs)
+    untied_head = spec.has_head and config.untie_embeddings_and_output_weights
+    if untied_head:
+        held += tokens * (config.padded_vocab_size(tp) // tp) * A + rows * h * A
+    extras = stash_extra_terms(config, spec, micro_batch_size, tp=tp, sequence_parallel=sequence_parallel,
+                               numerics=numerics)
+    if tp == 1:
+        held += extras.get("token ids", 0)
+    held += extras.get("position ids", 0) + extras.get("loss mask", 0)
+    return held - stash_bytes(config, spec, micro_batch_size, tp=tp, sequence_parallel=sequence_parallel,
+                              attention=attention, recompute=recompute, numerics=numerics)
 
 
 # Weights, gradients, optimizer state ----------------------------------------------------------------------

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -503,9 +504,12 @@ class PipelineExecutor:
             if a.op is Op.SEND_F and self._forward_only:
                 sends.append((self._outputs.pop(key), a.peer, None))
             elif a.op is Op.SEND_F:
-                out = self._outputs[key]
-                # The output's data is only needed by the receiver; free it once the send is done.
-                sends.append((out.detach(), a.peer, lambda out=out: release_storage(out)))
+                # The output's data is only needed by the receiver; free it once the send is done. The output
+                # itself is held weakly: once its backward has run, its graph (down to the chunk input, which
+                # the input's AccumulateGrad node keeps) is not the send's to keep alive, and gloo's sends
+                # report completion only when waited for, at the step's end.
+                out = weakref.ref(self._outputs[key])
+                sends.append((out().detach(), a.peer, lambda out=out: out() is not None and release_storage(out())))
             elif a.op is Op.SEND_B:
                 sends.append((self._input_grads.pop(key), a.peer, None))
             elif index not in self._posted_ahead:

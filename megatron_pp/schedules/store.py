@@ -11,52 +11,68 @@ stashes still in device memory (`resident_count`), without touching the executor
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, Optional
 
 import torch
 
-from megatron_pp.core.storage import StorageRef, storage_key
+from megatron_pp.core.storage import storage_key
 
 
 @dataclass
 class Stash:
+    """The storages one (microbatch, chunk) keeps for its backward, each counted from when autograd saves it
+    (or the executor holds it for a deferred BW) until it dies or the stash is released.
+
+    A storage can die while its stash is live: a split backward's BI frees every saved tensor its BW does
+    not read (attention and MLP internals, norm statistics, ...), keeping only the linear layers' inputs,
+    and the output gradients it adds for BW die one by one as BW's GEMMs run. Each counted storage has a
+    weak reference whose callback stops counting it when it dies (PyTorch keeps one Python object per live
+    storage, so the callback runs exactly when the storage is freed, before its key can be reused), and
+    tells `on_free`, the store's running total."""
+
     key: Hashable
-    storages: dict[int, int] = field(default_factory=dict)  # storage_key -> nbytes
-    # storage_key -> weak reference to the storage counted there. A key alone does not name a storage: a
-    # storage the stash counted can be freed before the stash is released (a split backward's BI frees what
-    # its BW does not need) and a new storage can take its key while the stash holds it.
-    _alive: dict[int, StorageRef] = field(default_factory=dict, repr=False)
-    freed_bytes: int = 0
-    """Bytes of counted storages freed while the stash is live, whose key a later storage took."""
+    storages: dict[int, int] = field(default_factory=dict)  # storage_key -> nbytes, of live storages only
+    on_free: Optional[Callable[[int], None]] = field(default=None, repr=False)
+    _alive: dict[int, weakref.ref] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(self.storages.values()) + self.freed_bytes
+        return sum(self.storages.values())
 
     def add(self, t: torch.Tensor) -> int:
-        """Count `t`'s storage in this stash unless it already is; the bytes newly counted."""
+        """Count `t`'s storage in this stash unless it already is; the bytes newly counted. A key present is
+        its live storage: a counted storage that died was removed by its callback before the key was free."""
         storage = t.untyped_storage()
-        key, nbytes = storage_key(storage), storage.nbytes()
-        if key in self.storages:
-            if self._alive[key].alive_as(storage):
-                return 0
-            # The storage counted at this key was freed, yet stays counted until the stash is released
-            # (as the planner counts it); the new one at the same key is more memory, not the same.
-            self.freed_bytes += self.storages.pop(key)
+        if storage_key(storage) in self.storages:
+            return 0
         self.put(storage)
-        return nbytes
+        return storage.nbytes()
 
     def put(self, storage: torch.UntypedStorage) -> None:
         """Count `storage` at its key (a subclass bringing a moved storage back uses this too)."""
-        self.storages[storage_key(storage)] = storage.nbytes()
-        self._alive[storage_key(storage)] = StorageRef(storage)
+        key = storage_key(storage)
+        self.storages[key] = storage.nbytes()
+        self._alive[key] = weakref.ref(storage, lambda ref, key=key: self._freed(key, ref))
 
     def drop(self, storage: torch.UntypedStorage) -> None:
-        """Stop counting `storage` (a subclass moved it off the device)."""
+        """Stop counting `storage` (a subclass moved it off the device; its own count follows)."""
         self.storages.pop(storage_key(storage), None)
         self._alive.pop(storage_key(storage), None)
+
+    def close(self) -> None:
+        """Stop watching the storages (the stash is released): no callback runs for this stash any more."""
+        self.on_free = None
+        self._alive.clear()
+
+    def _freed(self, key: int, ref: weakref.ref) -> None:
+        if self._alive.get(key) is ref:  # not dropped, and not a later storage at the same key
+            del self._alive[key]
+            nbytes = self.storages.pop(key)
+            if self.on_free is not None:
+                self.on_free(nbytes)
 
 
 class ActivationStore:
@@ -86,7 +102,7 @@ class ActivationStore:
         """Attribute everything autograd saves inside this block to stash `key`."""
         if key in self.live:
             raise RuntimeError(f"stash {key} is already live: a forward ran twice without its backward")
-        stash = Stash(key)
+        stash = Stash(key, on_free=self._freed)
         self.live[key] = stash
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, stash), self.unpack):
             yield stash
@@ -101,9 +117,15 @@ class ActivationStore:
         self._note_peak()
 
     def release(self, key: Hashable) -> None:
-        """The backward of `key` has run: its saved tensors are gone."""
+        """The backward of `key` has run: what its stash still counts is no longer its (storages still alive
+        now, such as the microbatch's batch tensors, are someone else's)."""
         stash = self.live.pop(key)
         self.live_bytes -= stash.nbytes
+        stash.close()
+
+    def _freed(self, nbytes: int) -> None:
+        """A storage counted by a live stash died (see `Stash`); peaks are noted where stashes grow."""
+        self.live_bytes -= nbytes
 
     def begin_step(self) -> None:
         """The executor starts running a step's list (a store that serves a peer starts serving here)."""

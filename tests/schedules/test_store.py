@@ -54,25 +54,52 @@ def test_the_second_step_peaks_from_what_is_still_live_and_freed_weights_count_a
     assert (store.peak_bytes, store.peak_count) == (two + store.live["c"].nbytes, 2)
 
 
-def test_a_new_tensor_at_a_freed_storage_address_is_counted():
-    """A split backward's BI frees what its BW does not need while the stash stays counted until BW; the
-    allocator may then give that address to the output gradient BW holds. That is new memory, and a store
-    that knew storages by address alone skipped it (peaks a few percent low, depending on the allocator)."""
+def test_a_storage_freed_while_its_stash_is_live_stops_counting_and_a_new_one_at_its_address_counts():
+    """A split backward's BI frees what its BW does not need while the stash lives: those bytes are no longer
+    held, so the stash stops counting them (counting them until BW put zb-h1's last LLaMA-3-70B rank 11 GiB
+    over what its live storages ever reached). The allocator may give the address to the output gradient BW
+    holds: new memory, counted (a store that knew storages by address alone skipped it)."""
     buffer = bytearray(256)  # two storages over one buffer: the same address, forced, not left to malloc
     store = ActivationStore()
     first = torch.frombuffer(buffer, dtype=torch.float32).requires_grad_()
     with store.stash("a"):
         (first * 2.0).sum()  # saves nothing: mul by a Python scalar
-        first.exp()  # exp saves its output, a fresh storage
-    before = store.live_bytes
-    saved = torch.frombuffer(buffer, dtype=torch.float32)
-    store.hold("a", [saved])
-    assert store.live_bytes == before + 256
-    address = saved.untyped_storage().data_ptr()
-    del saved  # the held storage dies while the stash is live
+        out = first.exp()  # exp saves its output, a fresh storage
+    saved = out.untyped_storage().nbytes()
+    assert store.live_bytes == store.peak_bytes == saved
+    out.backward(torch.ones_like(out))  # frees the graph, and exp's output with it once we drop ours
+    del out
+    assert store.live_bytes == 0 and store.live["a"].nbytes == 0
+    held = torch.frombuffer(buffer, dtype=torch.float32)
+    store.hold("a", [held])
+    assert store.live_bytes == 256 and store.peak_bytes == saved
+    address = held.untyped_storage().data_ptr()
+    del held  # the held storage dies while the stash is live
+    assert store.live_bytes == 0
     again = torch.frombuffer(buffer, dtype=torch.float32)
     assert again.untyped_storage().data_ptr() == address
     store.hold("a", [again, again[1:]])  # a different storage at the same address: counted; its view is not
-    assert store.live_bytes == store.peak_bytes == before + 512
+    assert store.live_bytes == 256 and store.peak_bytes == saved
     store.release("a")
     assert store.live_bytes == 0
+    del again  # released: its stash no longer watches it
+    assert store.live_bytes == 0
+
+
+def test_what_a_released_stash_counted_is_not_subtracted_again_when_it_dies():
+    """Storages alive at release (the microbatch's batch tensors, which the executor keeps to the step's
+    end) leave the count at release; their later death must not lower it again."""
+    store = ActivationStore()
+    weight = torch.randn(4, 4, requires_grad=True)
+    store.exclude([weight])
+    x = torch.randn(3, 4)
+    with store.stash("a"):
+        y = x @ weight  # saves x
+    with store.stash("b"):
+        z = (x + 1.0) @ weight  # saves x + 1
+    store.release("a")
+    assert store.live_bytes == store.live["b"].nbytes == 48
+    del x, y
+    assert store.live_bytes == 48
+    del z  # b's saved tensor dies with its graph: b counts nothing any more
+    assert store.live_bytes == store.live["b"].nbytes == 0
