@@ -118,3 +118,18 @@ def test_a_rank_row_counts_its_collectives_and_point_to_point_calls_apart():
     row = report.row()
     assert (row["collectives"], row["p2p"]) == (3, 2)
     assert "comm" not in row and row["peak_bytes"] == 4
+
+
+def test_no_partner_stash_is_counted_where_no_rank_parks_one():
+    """Outside BPipe no rank hosts a partner's stash: both hosted-for-a-partner figures of a real dry run are 0,
+    while its own stash is live at the peak (issue 37's seed-44 survivor reported the own stash's bytes at the
+    peak as the partner's)."""
+    from megatron_pp.training.arguments import parse_args
+
+    args = parse_args(["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "2",
+                       "--global-batch-size", "8", "--train-iters", "2", "--dry-run", "1"])
+    report = dry_run.run_rank(args, 0, torch.device("cpu"))
+    assert report.stash_peak_bytes > 0 and report.peak_at.split(", ")[-1][0] in "FB"  # the peak falls in a pass
+    assert (report.guest_peak_bytes, report.guest_at_peak_bytes) == (0, 0)
+    persistent = report.parameter_bytes + report.gradient_bytes + report.optimizer_bytes
+    assert persistent + report.transient_peak_bytes < report.peak_bytes  # own stash bytes live at the peak
