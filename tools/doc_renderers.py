@@ -697,3 +697,11 @@ RENDERERS["dry-run-llama3-70b-1f1b"] = ("docs/results/dry_run_bench_llama3_70b_1
 RENDERERS["dry-run-time"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_time_sentence)
 RENDERERS["dry-run-llama3-70b-zb-h1"] = ("docs/results/dry_run_llama3_70b_zb_h1.json", dry_run_ranks_table)
 RENDERERS["dry-run-time-rerun"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_rerun.json", dry_run_time_sentence)
+
+
+# docs/schedules.md, emulated compute: per-p figures of the grids and the planner's full-size plans ----------
+import doc_renderers_emulate as emulate  # noqa: E402
+
+RENDERERS["emulate-load-per-p"] = (EMULATED, emulate.emulate_load_per_p)
+RENDERERS["emulate-bubble-only"] = (EMULATED, emulate.emulate_bubble_only_misses)
+RENDERERS["emulate-claims-shown"] = (EMULATED, emulate.emulate_claims_shown)
