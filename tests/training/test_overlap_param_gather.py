@@ -3,7 +3,7 @@ all-gathers are left in flight, each chunk's finished by its first forward of th
 else that reads the weights waits for all of them.
 
 At pp 2 x dp 2 (fp32, Adam, clipping, small gradient buckets: several per chunk) under 1F1B, interleaved 1F1B
-and PO-H (host offload of each rank's first chunk), a run with the flag gives the losses, gradient norms,
+and PO-H (host offload of each rank's first chunk), and at tp 2 x dp 2 with --overlap-grad-reduce, a run with the flag gives the losses, gradient norms,
 validation losses and checkpointed weights of the same run without it, bit for bit, and the single process's
 losses and norms (1e-5). Recorders on every rank see the gathers in flight when each step after the first
 begins, each chunk's buckets in place before that chunk's first forward (and, with two chunks per rank, the
@@ -22,12 +22,15 @@ from tests.dist import run_distributed
 from tests.training.test_exactness_edges import BUCKET_BYTES, ITERS, TOL, _argv, reference
 
 LAYERS, GBS = 4, 8  # dp 2, micro-batch 1: 4 microbatches per replica
-COMMON = ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2", "--eval-interval", "2",
-          "--eval-iters", "1", "--save-interval", "2"]
-CASES = {
-    "1f1b": ["--pipeline-schedule", "1f1b"],
-    "interleaved-1f1b": ["--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "1"],
-    "po-h": ["--pipeline-schedule", "po-h", "--num-layers-per-virtual-pipeline-stage", "1"],
+COMMON = ["--use-distributed-optimizer", "--eval-interval", "2", "--eval-iters", "1", "--save-interval", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CASES = {  # name: (flags, chunks per rank)
+    "1f1b": (PP2 + ["--pipeline-schedule", "1f1b"], 1),
+    "interleaved-1f1b": (PP2 + ["--pipeline-schedule", "interleaved-1f1b",
+                                "--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    "po-h": (PP2 + ["--pipeline-schedule", "po-h", "--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    # tp 2 (two data-parallel groups, so two gather groups) with the overlapped reduction Megatron-LM requires
+    "tp2-overlap-grad-reduce": (["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"], 1),
 }
 
 
@@ -70,7 +73,8 @@ def _run(ctx, argv, bucket_bytes):
     try:
         args = parse_args(argv)
         args.bucket_bytes = bucket_bytes
-        rows = train_module.pretrain(args, state=ctx.parallel_state(1, args.pipeline_model_parallel_size))
+        state = ctx.parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        rows = train_module.pretrain(args, state=state)
     finally:
         (train_module.connect_param_gather, trainer_module.train_step, trainer_module.save_checkpoint,
          trainer_module.Trainer.evaluate) = originals
@@ -129,12 +133,12 @@ def _check_recorded(result, chunks):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_overlapped_gather_trains_as_without_it_and_waits_where_it_must(tmp_path, name):
-    argv = _argv("gpt-tiny", LAYERS, 1, GBS, COMMON + CASES[name])
+    flags, chunks = CASES[name]
+    argv = _argv("gpt-tiny", LAYERS, 1, GBS, COMMON + flags)
     plain = run_distributed(4, _run, argv + ["--save", str(tmp_path / "plain")], BUCKET_BYTES)
     overlapped = run_distributed(4, _run, argv + ["--save", str(tmp_path / "overlap"), "--overlap-param-gather"],
                                  BUCKET_BYTES)
     assert not any(r["connected"] for r in plain)
-    chunks = 1 if name == "1f1b" else 2
     for result in overlapped:
         _check_recorded(result, chunks)
     rows = overlapped[0]["rows"]
