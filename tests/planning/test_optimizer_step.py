@@ -38,10 +38,13 @@ class _WindowTracker(dry_run.MemoryTracker):
             self.window = max(self.window, self.live_bytes)
 
 
-def _step_transients(monkeypatch, argv: list[str], world: int) -> tuple[list[int], dry_run.RankReport]:
+def _step_transients(monkeypatch, argv: list[str], world: int, **fields) -> tuple[list[int], dry_run.RankReport]:
     """Run the job's code (`dry_run._run`: model, optimizer, two steps) and return, per optimizer step, its
-    peak above what was live when it began. world 1: real tensors; world > 1: fake tensors, fake backend."""
+    peak above what was live when it began. world 1: real tensors; world > 1: fake tensors, fake backend.
+    `fields` set arguments no flag exposes (`bucket_bytes`)."""
     args = parse_args(argv + ["--dry-run", str(world)])
+    for name, value in fields.items():
+        setattr(args, name, value)
     tracker, above = _WindowTracker(), []
     build = dry_run.build_optimizer
 
@@ -92,10 +95,15 @@ def test_foreach_adamw_holds_sqrt_v_of_the_larger_group_to_the_byte(monkeypatch,
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]])
 @pytest.mark.parametrize("dp", [2, 4])
-def test_distributed_optimizer_holds_every_gathered_bucket_at_once(monkeypatch, precision, dp):
+@pytest.mark.parametrize("bucket_bytes", [None, 64 * 1024])
+def test_distributed_optimizer_holds_every_gathered_bucket_at_once(monkeypatch, precision, dp, bucket_bytes):
+    """One bucket, or several (64 KiB): every bucket's shard and its gathered copy are alive together, as
+    NCCL's works keep their inputs until waited on. The fake backend's works keep nothing, so before the
+    collective helpers held their inputs, several buckets measured only the last bucket's shard."""
     argv = TINY + ["--global-batch-size", str(2 * dp), "--use-distributed-optimizer", "--dry-run-optimizer",
                    "foreach"] + precision
-    above, report = _step_transients(monkeypatch, argv, dp)
+    fields = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
+    above, report = _step_transients(monkeypatch, argv, dp, **fields)
     params, vectors = _counts(argv)
     param_bytes = 2 if precision else 4
     # The state too: an fp32 model's shard is copied as well (8 + 12/dp bytes a parameter, not 8 + 8/dp).

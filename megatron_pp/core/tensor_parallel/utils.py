@@ -49,15 +49,19 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class PendingCollective:
-    """A collective that has been started; `wait()` completes it and returns its result."""
+    """A collective that has been started; `wait()` completes it and returns its result. `inputs` stay
+    referenced until then, as NCCL's and gloo's works keep them (the fake backend's works keep nothing, so
+    without this a dry run freed an in-flight input at once: ShardedMainParams.copy_to_model's bucket shards)."""
 
-    def __init__(self, work: Optional[dist.Work], finish: Callable[[], torch.Tensor]):
+    def __init__(self, work: Optional[dist.Work], finish: Callable[[], torch.Tensor], inputs: tuple = ()):
         self._work = work
         self._finish = finish
+        self._inputs = inputs
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
+        self._inputs = ()
         return self._finish()
 
 
@@ -105,11 +109,11 @@ def start_all_gather(x: torch.Tensor, dim: int, group: Optional[ProcessGroup]) -
         out = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         work = _all_gather_single(out, x, group=group, async_op=True)
         if dim == 0:
-            return PendingCollective(work, lambda: out)
-        return PendingCollective(work, lambda: torch.cat(out.chunk(size, dim=0), dim=dim))
+            return PendingCollective(work, lambda: out, (x,))
+        return PendingCollective(work, lambda: torch.cat(out.chunk(size, dim=0), dim=dim), (x,))
     parts = [torch.empty_like(x) for _ in range(size)]
     work = dist.all_gather(parts, x, group=group, async_op=True)
-    return PendingCollective(work, lambda: torch.cat(parts, dim=dim))
+    return PendingCollective(work, lambda: torch.cat(parts, dim=dim), (x,))
 
 
 def all_gather(x: torch.Tensor, dim: int, group: Optional[ProcessGroup]) -> torch.Tensor:
@@ -132,7 +136,7 @@ def start_reduce_scatter_dim0(
     if _single_tensor_kernels(group):
         x = x.contiguous()
         out = torch.empty((chunk,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        return PendingCollective(_reduce_scatter_single(out, x, group=group, async_op=True), lambda: out)
+        return PendingCollective(_reduce_scatter_single(out, x, group=group, async_op=True), lambda: out, (x,))
     buf = x if input_is_scratch and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     work = dist.all_reduce(buf, group=group, async_op=True)
     start = tp_rank(group) * chunk
