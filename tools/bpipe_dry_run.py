@@ -3,16 +3,18 @@
     python tools/bpipe_dry_run.py --pp 4 --microbatches 8 --out docs/results/bpipe_dry_run_96b_p4.json
     python tools/bpipe_dry_run.py --pp 8 --microbatches 16 --num-layers 16 --out docs/results/bpipe_dry_run_96b_p8.json
 
-(`--dry-run-schedules 1f1b` dry-runs 1F1B only and simulates BPipe: BPipe's own dry run does not run on the fake
-backend yet, docs/bpipe.md.)
+(`--dry-run-schedules 1f1b` dry-runs 1F1B only and simulates BPipe, for a quicker look.)
 
 The model is the BPipe reproduction's GPT-3 96B (`launch/configs/bpipe_gpt3_96b.yaml`: 84 layers, hidden 9728,
 76 heads, sequence 2048, unfused attention with dropout 0.1, bf16, tp 4 with sequence parallelism), at
 pipeline size p, dp 1, micro-batch 1. Each schedule runs through the training script's own `--dry-run` path
-(`training.dry_run.run_rank`: the real job on fake tensors) for one rank per pipeline rank. BPipe promises
-that no rank holds more than K + 1 stashes (K = ⌈(p+2)/2⌉), so its worst rank's stash peak is at most
-(K + 1)/p of 1F1B's rank 0 (`bound`); the JSON has both, per rank, with the ratio, and the tool exits 1
-when the measured or simulated worst rank exceeds it.
+(`training.dry_run.run_rank`: the real job on fake tensors) for one rank per pipeline rank; BPipe's runs its
+EVICT/ACCEPT/LOAD/RETURN on the fake backend, each acceptor first dry-running its partner up to its first
+eviction to learn the stash layout it hosts (`training.dry_run_bpipe`), and its rows count the device memory
+held for the partner apart (`guest_peak_bytes`, inside `stash_peak_bytes`). BPipe promises that no rank holds
+more than K + 1 stashes (K = ⌈(p+2)/2⌉), so its worst rank's stash peak is at most (K + 1)/p of 1F1B's rank 0
+(`bound`); the JSON has both, per rank, with the ratio, and the tool exits 1 when the dry run's or the
+simulated worst rank exceeds it, or when the simulated ranks disagree (a send without its receive).
 
 "Simulated" is the schedule simulator's resident-stash curve of the same action lists (default costs, the
 timeline the lists were placed on) with each stage's stash weighed by the bytes one stash of that stage
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step m")
     parser.add_argument("--num-layers", type=int, default=None, help="instead of the 96B's 84 (p must divide it)")
     parser.add_argument("--dry-run-schedules", default="1f1b,bpipe",
-                        help="which schedules to dry-run (1f1b always; bpipe's peaks are simulated either way)")
+                        help="which schedules to dry-run (1f1b always; bpipe's peaks are also simulated either way)")
     parser.add_argument("--out", required=True, help="JSON to write (rewritten after each schedule)")
     parser.add_argument("--resume", action="store_true", help="keep the runs --out already holds for these sizes")
     args = parser.parse_args(argv)
@@ -157,7 +159,10 @@ def main(argv=None) -> int:
 
     result = measure(args.pp, args.microbatches, args.num_layers, schedules, done, write)
     measured = (f"dry run {result['worst_over_1f1b_rank0']:.3f}, " if "worst_over_1f1b_rank0" in result else "")
-    ok = result.get("holds_bound", True) and result["simulated_holds_bound"]
+    problems = [line for run in result["runs"].values() for line in run.get("disagreements", [])]
+    for line in problems:
+        print(f"disagreement: {line}")
+    ok = result.get("holds_bound", True) and result["simulated_holds_bound"] and not problems
     print(f"p {args.pp}: BPipe worst rank / 1F1B rank 0: {measured}simulated "
           f"{result['simulated_worst_over_1f1b_rank0']:.3f}; bound {result['bound']:.3f}: "
           f"{'holds' if ok else 'VIOLATED'}; early ACCEPTs per rank {result['early_accepts']}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from doc_format import num, table
+from doc_format import num, pct, table
 
 
 def layout(report: dict) -> str:
@@ -272,3 +272,71 @@ def estimate_printout(data: list) -> str:
         [candidate(dict(zip(run["candidate_fields"], row))) for row in run["candidates"]],
         candidate(run["best_plain"]), candidate(run["best_bpipe"]), list(run["warnings"]))
     return "```\n" + "\n".join(tool.explain(estimate)) + "\n```"
+
+
+# docs/bpipe.md, "At full size": tools/bpipe_dry_run.py's JSON per p ---------------------------------------------
+def _gib(n_bytes: float) -> str:
+    return num(n_bytes / 2**30)
+
+
+def _setting(run: dict) -> str:
+    return f"{run['pp']} ({run['num_layers']} layers, m {run['microbatches']}, K {run['K']})"
+
+
+def _over_bound(run: dict, stash_bytes: float) -> float:
+    """Bytes of `stash_bytes` above the bound, (K + 1)/p of 1F1B's rank-0 stash peak (<= 0: within it)."""
+    return stash_bytes - run["bound"] * run["runs"]["1f1b"]["ranks"][0]["stash_peak_bytes"]
+
+
+def _kib(n_bytes: float) -> str:
+    return num(n_bytes / 1024, 0).replace("-", "−")
+
+
+def dry_run_bound_table(*runs: dict) -> str:
+    """Per p and pipeline rank: the stash peaks of 1F1B's and BPipe's dry runs (GiB), of BPipe's the part hosted
+    for the partner, BPipe simulated with 1F1B's per-stage bytes and the dry run's difference from it (KiB), and
+    the dry run's BPipe peak over 1F1B's rank 0 with its excess over the bound (K + 1)/p (KiB)."""
+    rows = []
+    for run in runs:
+        one, bp = run["runs"]["1f1b"], run["runs"]["bpipe"]
+        rank0 = one["ranks"][0]["stash_peak_bytes"]
+        for r, row in enumerate(bp["ranks"]):
+            measured, simulated = row["stash_peak_bytes"], bp["simulated_stash_peak_bytes"][r]
+            over = _over_bound(run, measured)
+            rows.append([_setting(run), str(r), _gib(one["ranks"][r]["stash_peak_bytes"]), _gib(measured),
+                         _gib(row["guest_peak_bytes"]), _gib(simulated), _kib(measured - simulated),
+                         num(measured / rank0, 3), f"{_kib(over)} KiB over" if over > 0 else "within"])
+    return table(["p", "rank", "1F1B stash peak, dry run GiB", "BPipe stash peak, dry run GiB",
+                  "of it hosted for the partner GiB", "BPipe, simulated GiB", "dry run − simulated KiB",
+                  "BPipe (dry run) / 1F1B rank 0", "bound (K + 1)/p"], rows)
+
+
+def dry_run_worst_sentence(*runs: dict) -> str:
+    """'p = 4: rank 0 at 1.000 of 1F1B's rank 0, within the bound 1.000 (simulated 1.000, within it); ...':
+    each p's worst BPipe rank in the dry run, against the bound, and the simulation's worst."""
+    def verdict(over: float) -> str:
+        return f"{_kib(over)} KiB over" if over > 0 else "within"
+    parts = []
+    for run in runs:
+        ranks = run["runs"]["bpipe"]["ranks"]
+        worst = max(range(len(ranks)), key=lambda r: ranks[r]["stash_peak_bytes"])
+        simulated = max(run["runs"]["bpipe"]["simulated_stash_peak_bytes"])
+        parts.append(f"p = {run['pp']}: rank {worst} at {num(run['worst_over_1f1b_rank0'], 3)} of 1F1B's rank 0, "
+                     f"{verdict(_over_bound(run, ranks[worst]['stash_peak_bytes']))} the bound {num(run['bound'], 3)} "
+                     f"(simulated {num(run['simulated_worst_over_1f1b_rank0'], 3)}, "
+                     f"{verdict(_over_bound(run, simulated))} it)")
+    return "; ".join(parts)
+
+
+def dry_run_gap_sentence(*runs: dict) -> str:
+    """The largest |dry run − simulated| over every rank and p, in KiB and as a share of that rank's peak."""
+    gaps = [(abs(row["stash_peak_bytes"] - sim), row["stash_peak_bytes"]) for run in runs
+            for row, sim in zip(run["runs"]["bpipe"]["ranks"], run["runs"]["bpipe"]["simulated_stash_peak_bytes"])]
+    gap, peak = max(gaps)
+    return f"{_kib(gap)} KiB ({pct(gap / peak, 4)} of that rank's peak)"
+
+
+def dry_run_cpu_sentence(*runs: dict) -> str:
+    """'p = 4: 1F1B 70 CPU s, BPipe 84 CPU s; ...': what each size's dry runs of every pipeline rank cost."""
+    return "; ".join(f"p = {run['pp']}: 1F1B {num(run['runs']['1f1b']['cpu_seconds'], 0)} CPU s, BPipe "
+                     f"{num(run['runs']['bpipe']['cpu_seconds'], 0)} CPU s" for run in runs)
