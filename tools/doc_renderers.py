@@ -668,26 +668,11 @@ RENDERERS["planner-low-in-backward"] = ("docs/results/planner_vs_dry_run_llama3_
 RENDERERS["planner-low-in-optimizer"] = ("docs/results/planner_vs_dry_run_llama3_70b.json", planner_low_in_optimizer)
 
 
-def bpipe_dry_run_table(*runs: dict) -> str:
-    """tools/bpipe_dry_run.py at each p: per pipeline rank, 1F1B's stash peak from the dry run (GiB), BPipe's
-    from the dry run where it ran, BPipe's simulated with those per-stage bytes, and BPipe over 1F1B's rank 0
-    against the bound (K + 1)/p."""
-    rows = []
-    for run in runs:
-        one, bp = run["runs"]["1f1b"], run["runs"]["bpipe"]
-        rank0 = one["ranks"][0]["stash_peak_bytes"]
-        for r in range(run["pp"]):
-            simulated = bp["simulated_stash_peak_bytes"][r]
-            measured = num(bp["ranks"][r]["stash_peak_bytes"] / 2**30) if bp["ranks"] else "not run"
-            rows.append([f"{run['pp']} ({run['num_layers']} layers, m {run['microbatches']}, K {run['K']})", str(r),
-                         num(one["ranks"][r]["stash_peak_bytes"] / 2**30), measured, num(simulated / 2**30),
-                         str(bp["simulated_peak_stashes"][r]), num(simulated / rank0, 3), num(run["bound"], 3)])
-    return table(["p", "rank", "1F1B stash peak, dry run GiB", "BPipe, dry run GiB", "BPipe, simulated GiB",
-                  "BPipe stashes, simulated", "BPipe / 1F1B rank 0", "bound (K + 1)/p"], rows)
-
-
-RENDERERS["bpipe-dry-run"] = (("docs/results/bpipe_dry_run_96b_p4.json", "docs/results/bpipe_dry_run_96b_p8.json"),
-                              bpipe_dry_run_table)
+BPIPE_DRY_RUNS = ("docs/results/bpipe_dry_run_96b_p4.json", "docs/results/bpipe_dry_run_96b_p8.json")
+RENDERERS["bpipe-dry-run"] = (BPIPE_DRY_RUNS, bp.dry_run_bound_table)
+RENDERERS["bpipe-dry-run-worst"] = (BPIPE_DRY_RUNS, bp.dry_run_worst_sentence)
+RENDERERS["bpipe-dry-run-gap"] = (BPIPE_DRY_RUNS, bp.dry_run_gap_sentence)
+RENDERERS["bpipe-dry-run-cpu"] = (BPIPE_DRY_RUNS, bp.dry_run_cpu_sentence)
 
 
 # docs/dry_run.md: full-size configurations through the dry run (tools/dry_run_table.py) ---------------------
