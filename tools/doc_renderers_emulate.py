@@ -42,15 +42,15 @@ def emulate_plans_table(report: dict) -> str:
     return table(["plan (best row of tools/plan.py)", "predicted step s", "predicted pipeline s",
                   "pipeline simulated exactly at m, s (prediction's difference)", "emulated pipeline s (against predicted)",
                   "emulated step s (against predicted)", "emulated ms beyond costs and latencies on the critical path, "
-                  "overrun · gap · hop · wait · lead", "scale", "p2p latency ms", "host copy ms", "load average"], rows)
+                  "overrun · gap · hop · wait · lead", "scale", "planner's p2p latency, real ms", "planner's host copy, real ms", "load average"], rows)
 
 
 def emulate_plans_early_receives(report: dict) -> str:
-    """The gloo executor's early receive buffers of each plan's lists (K per incoming link × one message), the
-    largest per rank and its largest share of the rank's predicted peak: 'a GiB (b% of the peak) for S'."""
-    return "; ".join(f"{num(max(r['early_receive_bytes']) / GIB, 2)} GiB, at most "
-                     f"{pct(r['early_receive_share_of_peak'], 2)} of a rank's predicted peak, for {r['schedule']} "
-                     f"(K up to {r['receives_ahead_max']})" for r in report["rows"])
+    """The gloo executor's early receive buffers of each plan's lists (K per incoming link × one message): the
+    largest over ranks in MiB and the largest share of a rank's predicted peak, per plan:
+    '12 MiB (0.03%) for 1f1b, K = 1; ...'."""
+    return "; ".join(f"{num(max(r['early_receive_bytes']) / 2**20, 0)} MiB ({pct(r['early_receive_share_of_peak'], 2)})"
+                     f" for {r['schedule']}, K = {r['receives_ahead_max']}" for r in report["rows"])
 
 
 def _rows_by_p(reports: tuple) -> dict[int, list[dict]]:
