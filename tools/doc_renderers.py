@@ -690,3 +690,5 @@ import doc_renderers_emulate as emulate  # noqa: E402
 RENDERERS["emulate-load-per-p"] = (EMULATED, emulate.emulate_load_per_p)
 RENDERERS["emulate-bubble-only"] = (EMULATED, emulate.emulate_bubble_only_misses)
 RENDERERS["emulate-claims-shown"] = (EMULATED, emulate.emulate_claims_shown)
+RENDERERS["emulate-plans"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_table)
+RENDERERS["emulate-plans-early"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_early_receives)
