@@ -21,7 +21,8 @@ BI and its BW (`deferred_backwards`), the forward and the BI run inside
 upstream at once) and the cheap norm, bias and embedding gradients, while the linear layers' weight GEMMs
 wait in `weight_grads` with the output gradients they need; BW runs them (accumulating as autograd would,
 into `.grad` or the fp32 `main_grad`, and telling the gradient reducer) and releases the stash. The stash
-counts as live until BW, and what BI leaves for BW (those output gradients) is counted in it. Unsplit B
+stays live until BW: what BI leaves for BW (those output gradients) is counted in it, and what BI frees (every
+saved tensor BW does not read) stops counting as it dies (`store.Stash`). Unsplit B
 is one autograd call, as before, and so is a BI whose BW comes right after it (GIS and PO place them
 so): waiting would only hold the output gradients longer.
 
