@@ -134,3 +134,16 @@ def _link_at_once(ctx) -> bool:
     other = 1 - state.pp_rank
     return PeerLink(state.pair_groups([(0, 1)])[other], state.pp_global_rank(other), state.device).at_once
 
+
+
+def test_a_meta_dry_run_parks_and_agrees_as_the_cpu_one():
+    """--dry-run-device meta (the device check at every collective): the stash byte views are made on the saved
+    tensors' device, not their storage's (`meta` for any fake tensor), so the parking calls pass the check; the
+    ranks agree, and BPipe moves what it moves on the CPU: rank 0 at its 1F1B peak, rank 3 at its own plus one
+    guest."""
+    flags = ["--dry-run-ranks", "all", "--dry-run-jobs", "1", "--dry-run-device", "meta"]
+    bp, problems = dry_run.dry_run(parse_args(ARGV + flags))
+    one, problems_1f1b = dry_run.dry_run(parse_args(_argv("1f1b") + flags))
+    assert problems == problems_1f1b == []
+    assert bp[0].stash_peak_bytes == one[0].stash_peak_bytes
+    assert bp[3].guest_peak_bytes > 0 and bp[3].stash_peak_bytes == one[3].stash_peak_bytes + bp[3].guest_peak_bytes
