@@ -230,7 +230,8 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/training/weight_versions.py": ["tests/training/test_2bw.py", "tests/schedules/test_2bw.py"],
     "megatron_pp/training/batch_ramp.py": ["tests/training/test_batch_ramp.py"],
     # A dead rank, a dead store host, a rank stopped by another's reported error (whichever rank fails).
-    "megatron_pp/training/watchdog.py": ["tests/reliability/test_watchdog.py", "tests/reliability/test_failing_rank.py",
+    "megatron_pp/training/watchdog.py": ["tests/reliability/test_watchdog.py", "tests/reliability/test_watchdog_verdict.py",
+                                         "tests/reliability/test_failing_rank.py",
                                          "tests/reliability/test_faults.py", "tests/training/test_train.py"],
 }
 
