@@ -3,7 +3,8 @@ all-gathers are left in flight, each chunk's finished by its first forward of th
 else that reads the weights waits for all of them.
 
 At pp 2 x dp 2 (fp32, Adam, clipping, small gradient buckets: several per chunk) under 1F1B, interleaved 1F1B,
-PO-H (host offload of each rank's first chunk) and looped BFS with layered gradient accumulation, and at
+PO-H (host offload of each rank's first chunk), ZB-V (split backward; rank 0's two chunks share the tied
+embedding) and looped BFS with layered gradient accumulation, and at
 tp 2 x dp 2 with --overlap-grad-reduce, a run with the flag gives the losses, gradient norms, validation losses
 and checkpointed weights of the same run without it, bit for bit, and the single process's losses and norms
 (1e-5). Recorders on every rank see the gathers in flight when each step after the first
@@ -30,6 +31,7 @@ CASES = {  # name: (flags, chunks per rank)
     "interleaved-1f1b": (PP2 + ["--pipeline-schedule", "interleaved-1f1b",
                                 "--num-layers-per-virtual-pipeline-stage", "1"], 2),
     "po-h": (PP2 + ["--pipeline-schedule", "po-h", "--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    "zb-v": (PP2 + ["--pipeline-schedule", "zb-v"], 2),  # rank 0 holds both ends: the tied embedding in both chunks
     "looped-bfs-layered": (PP2 + ["--pipeline-schedule", "looped-bfs", "--num-layers-per-virtual-pipeline-stage", "1",
                                   "--layered-grad-accumulation"], 2),
     # tp 2 (two data-parallel groups, so two gather groups) with the overlapped reduction Megatron-LM requires
