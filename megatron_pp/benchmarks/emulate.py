@@ -208,15 +208,16 @@ class Emulator:
             input_wait = self.executor._wait_s - waited_before
             duration = self.costs.duration(action.op, self._stage[action.chunk])
             ready = begin + copy_wait + input_wait
+            transfer_wait = 0.0  # the emulated transfer's end beyond the data being in (after the handler)
             if self.costs.p2p_latency > 0:
                 arrived = max((self.transfer_end(peer, k) for peer, k in self._inputs.get(str(action), ())),
                               default=ready)
-                input_wait += max(0.0, arrived - ready)
-                ready = max(ready, arrived)
+                transfer_wait = max(0.0, arrived - ready)
+                ready += transfer_wait
             deadline = ready + duration
             _sleep_until(deadline)
-            self.compute.append((str(action), begin, _now(), copy_wait + input_wait, returned - called - input_wait,
-                                 duration, deadline - returned))
+            self.compute.append((str(action), begin, _now(), copy_wait + input_wait + transfer_wait,
+                                 returned - called - input_wait, duration, deadline - returned))
             if self.account:
                 self._record_blocking(str(action), marks)
         return run
