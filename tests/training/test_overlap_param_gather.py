@@ -2,15 +2,14 @@
 all-gathers are left in flight, each chunk's finished by its first forward of the next step, and everything
 else that reads the weights waits for all of them.
 
-At pp 2 x dp 2 (fp32, Adam, clipping, small gradient buckets: several per chunk) under 1F1B, interleaved 1F1B,
-PO-H (host offload of each rank's first chunk), ZB-V (split backward; rank 0's two chunks share the tied
-embedding) and looped BFS with layered gradient accumulation, and at
-tp 2 x dp 2 with --overlap-grad-reduce, a run with the flag gives the losses, gradient norms, validation losses
-and checkpointed weights of the same run without it, bit for bit, and the single process's losses and norms
-(1e-5). Recorders on every rank see the gathers in flight when each step after the first
-begins, each chunk's buckets in place before that chunk's first forward (and, with two chunks per rank, the
-second chunk's still in flight at the first chunk's first forward), none in flight at a checkpoint, at the
-first forward of an evaluation, or when training ends.
+At pp 2 x dp 2 (fp32, Adam, clipping, small gradient buckets: several per chunk) under 1F1B, interleaved 1F1B, PO-H
+(host offload of each rank's first chunk), ZB-V (split backward; rank 0's two chunks share the tied embedding) and
+looped BFS with layered gradient accumulation, and at tp 2 x dp 2 with --overlap-grad-reduce, a run with the flag
+gives the losses, gradient norms, validation losses and checkpointed weights of the same run without it, bit for
+bit, and the single process's losses and norms (1e-5). Recorders on every rank see the gathers in flight when each
+step after the first begins, each chunk's buckets in place before that chunk's first forward (and, with two chunks
+per rank, the second chunk's still in flight at the first chunk's first forward), none in flight at a checkpoint,
+at the first forward of an evaluation, or when training ends.
 """
 from __future__ import annotations
 
