@@ -50,7 +50,10 @@ without `--overlap-grad-reduce`). The step time is the latest rank's end of all 
     backward working set              per rank, its largest chunk's `memory.backward_transient_bytes` (ours): the
                                       residual gradient plus the largest linear layer's backward while it
                                       adds its weight gradient into the fp32 main gradient, less what autograd
-                                      has freed of that microbatch's stash by then
+                                      has freed of that microbatch's stash by then; under layered accumulation
+                                      with several groups, plus each chunk's intermediate reduction (a copy of
+                                      its fp32 buckets, and the 1/dp reduce-scatter output with ZeRO-1) held
+                                      from one group's REDUCE_GRAD to the next's
     optimizer step                    a rank's peak is max(all of the above, state + what the step allocates:
                                       `memory.optimizer_step_transient_bytes`, foreach AdamW's sqrt(v) of the
                                       larger parameter group or the distributed optimizer's gathered buckets);
@@ -261,7 +264,8 @@ class Evaluator:
         return tuple(out)
 
     def rank_backward_bytes(self, c: Configuration, schedule: Schedule) -> tuple[float, ...]:
-        """Per pipeline rank, the backward's working set (`memory.backward_transient_bytes`) of its largest chunk."""
+        """Per pipeline rank, what its backward holds beside state and stashes: the working set of its largest
+        chunk (`memory.backward_transient_bytes`), plus the intermediate layered reductions it carries."""
         job, specs = self.job, self.stages(c)
         per_stage = []
         for spec in specs:
@@ -271,8 +275,22 @@ class Evaluator:
                     job.config, spec, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
                     numerics=job.numerics, weight_grad_fold=job.fold)
             per_stage.append(self._per_stage[key])
-        return tuple(float(max(per_stage[schedule.stage_of(rank, chunk)] for chunk in range(c.num_chunks)))
-                     for rank in range(c.pp))
+        params = self.stage_parameters(c)
+        # Layered accumulation with several groups: an intermediate reduction copies a chunk's fp32 buckets
+        # and the copy (with the distributed optimizer also the reduce-scatter's 1/dp output) is held until
+        # the next group's REDUCE_GRAD of that chunk folds it in (core.layered_grads; NCCL's works keep their
+        # inputs until waited on), across that group's backwards.
+        carried_per_param = GRAD_BYTES * (1 + 1 / c.dp if c.distributed_optimizer and c.dp > 1 else 1)
+        out = []
+        for rank in range(c.pp):
+            reductions = [0] * c.num_chunks
+            for a in schedule.actions[rank]:
+                if a.op is Op.REDUCE_GRAD:
+                    reductions[a.chunk] += 1
+            carried = sum(params[schedule.stage_of(rank, k)] * carried_per_param
+                          for k in range(c.num_chunks) if reductions[k] > 1)
+            out.append(float(max(per_stage[schedule.stage_of(rank, k)] for k in range(c.num_chunks)) + carried))
+        return tuple(out)
 
     def stage_compute_costs(self, c: Configuration) -> dict[tuple[Op, int], float]:
         """`compute_costs` of every global stage of `c` (F, B with what recompute re-runs, BI, BW)."""
