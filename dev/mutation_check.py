@@ -112,7 +112,9 @@ COVERING: dict[str, list[str]] = {
                                   "tests/core/test_grad_norm.py"],
     # bf16 reduction buffers (--grad-reduce-in-bf16) are the only case whose main gradients are fp32 copies.
     "megatron_pp/core/distributed_optimizer.py": ["tests/training/test_distributed_optimizer_bf16.py",
-                                                  "tests/training/test_optimizer.py", EDGES],
+                                                  "tests/training/test_optimizer.py", EDGES,
+                                                  "tests/core/test_distributed_optimizer_overlap.py",
+                                                  "tests/training/test_overlap_param_gather.py"],
     "megatron_pp/core/layered_grads.py": ["tests/core/test_layered_grads.py", EDGES],
     "megatron_pp/core/sharded_weights.py": ["tests/core/test_sharded_weights.py", "tests/core/test_shards_dp3.py",
                                             EDGES],
@@ -139,6 +141,8 @@ COVERING: dict[str, list[str]] = {
                                         "tests/training/test_2bw_resume.py",
                                         "tests/reliability/test_faults.py",
                                         "tests/training/test_batch_ramp.py",  # the rates each step reads (decoupled too)
+                                        "tests/training/test_batch_ramp_runtime.py",  # checkpoints at ramp changes
+                                        "tests/training/test_overlap_param_gather.py",  # waits before save and eval
                                         # the trace's clock notes (offsets and error bounds per rank)
                                         "tests/core/test_clock.py::test_ranks_line_up_in_the_trace_despite_a_shifted_clock",
                                         SAFETY],
@@ -230,7 +234,8 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/training/model.py": ["tests/core/test_grad_reduce.py", EDGES, "tests/training/test_pretrain.py"],
     "megatron_pp/training/offload_probe.py": ["tests/training/test_offload_probe.py"],
     "megatron_pp/training/pipeline.py": ["tests/training/test_pretrain.py", "tests/training/test_megatron_compat.py",
-                                         "tests/training/test_dry_run.py"],
+                                         "tests/training/test_dry_run.py", "tests/training/test_batch_ramp_runtime.py",
+                                         "tests/training/test_overlap_param_gather.py"],
     "megatron_pp/training/weight_versions.py": ["tests/training/test_2bw.py", "tests/schedules/test_2bw.py"],
     "megatron_pp/training/batch_ramp.py": ["tests/training/test_batch_ramp.py"],
     # A dead rank, a dead store host, a rank stopped by another's reported error (whichever rank fails).
