@@ -165,8 +165,8 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/data/blend.py": ["tests/data/test_blend.py"],
     # Modules changed since 9821f81 that the map did not name (issue 37): each with the tests that exercise it.
     "megatron_pp/benchmarks/__init__.py": ["tests/benchmarks/test_emulate.py"],
-    "megatron_pp/benchmarks/emulate.py": ["tests/benchmarks/test_emulate_cost_model.py", "tests/benchmarks/test_emulate.py",
-                                          "tests/benchmarks/test_emulate_plan.py"],
+    "megatron_pp/benchmarks/emulate.py": ["tests/benchmarks/test_emulate_cost_model.py", "tests/benchmarks/test_emulate_timer.py",
+                                          "tests/benchmarks/test_emulate.py", "tests/benchmarks/test_emulate_plan.py"],
     # The parent's side of the emulation (split out of emulate.py) and the full-size plans emulated.
     "megatron_pp/benchmarks/emulate_measure.py": ["tests/benchmarks/test_emulate.py", "tests/benchmarks/test_emulate_run.py"],
     "megatron_pp/benchmarks/emulate_plan.py": ["tests/benchmarks/test_emulate_plan.py"],
