@@ -682,6 +682,17 @@ RENDERERS["dry-run-llama3-70b-1f1b"] = ("docs/results/dry_run_bench_llama3_70b_1
 RENDERERS["dry-run-time"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_time_sentence)
 RENDERERS["dry-run-llama3-70b-zb-h1"] = ("docs/results/dry_run_llama3_70b_zb_h1.json", dry_run_ranks_table)
 RENDERERS["dry-run-time-rerun"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_rerun.json", dry_run_time_sentence)
+import doc_renderers_dry_run as dry_run_docs  # noqa: E402
+
+_FULL_SIZE = tuple(f"docs/results/dry_run_{name}.json" for name in (
+    "llama3_70b_1f1b_fused", "gpt3_175b_1f1b", "llama3_70b_interleaved", "llama3_70b_gpipe", "llama3_70b_po_h",
+    "llama3_70b_recompute_full", "llama3_70b_recompute_selective", "llama3_70b_dp2_zero1",
+    "llama3_70b_looped_bfs_layered"))
+RENDERERS["dry-run-full-size"] = (_FULL_SIZE, dry_run_docs.dry_run_measured_table)
+RENDERERS["planner-vs-dry-runs"] = ("docs/results/planner_vs_dry_run_full_size.json",
+                                    dry_run_docs.planner_vs_dry_runs_table)
+RENDERERS["planner-vs-dry-runs-range"] = ("docs/results/planner_vs_dry_run_full_size.json",
+                                          dry_run_docs.planner_vs_dry_runs_range)
 
 
 # docs/schedules.md, emulated compute: per-p figures of the grids and the planner's full-size plans ----------
