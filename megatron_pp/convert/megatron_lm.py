@@ -253,6 +253,7 @@ class MegatronLMReader(CheckpointReader):
                 raise CheckpointError(f"{self._directory}: args.{attr} is {getattr(args, attr)} but the directory "
                                       f"holds {have} rank(s) of that kind")
         self.iteration = int(first.get("iteration", 0) or 0)
+        self.consumed_samples = int(getattr(args, "consumed_train_samples", 0) or 0)  # where its sampler resumes
         key = _chunk_keys(first)[0]
         rows = sum(_vocab_rows(first if t == 0 else load_megatron_lm_file(self._paths[t, 0]), key)
                    for t in range(self._tp))
