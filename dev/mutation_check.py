@@ -168,7 +168,8 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/benchmarks/emulate.py": ["tests/benchmarks/test_emulate_cost_model.py", "tests/benchmarks/test_emulate_timer.py",
                                           "tests/benchmarks/test_emulate.py", "tests/benchmarks/test_emulate_plan.py"],
     # The parent's side of the emulation (split out of emulate.py) and the full-size plans emulated.
-    "megatron_pp/benchmarks/emulate_measure.py": ["tests/benchmarks/test_emulate.py", "tests/benchmarks/test_emulate_run.py"],
+    "megatron_pp/benchmarks/emulate_measure.py": ["tests/benchmarks/test_emulate_measure.py", "tests/benchmarks/test_emulate.py",
+                                                  "tests/benchmarks/test_emulate_run.py"],
     "megatron_pp/benchmarks/emulate_plan.py": ["tests/benchmarks/test_emulate_plan.py"],
     # Its report is what tools/trace_vs_sim.py and the emulation table print.
     "megatron_pp/benchmarks/emulate_report.py": ["tests/benchmarks/test_emulate_run.py", "tests/benchmarks/test_emulate.py",
