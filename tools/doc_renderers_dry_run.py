@@ -82,3 +82,20 @@ def planner_vs_dry_runs_range(data: dict) -> str:
     """'0.9989 to 1.0083' (planner / dry run over every rank of every configuration), and how many ranks."""
     ratios = [r["predicted_over_measured"] for res in data["results"] for r in res["ranks"]]
     return f"{num(min(ratios), 4)} to {num(max(ratios), 4)} over {len(ratios)} ranks"
+
+
+def dry_run_device_sentence(data: dict) -> str:
+    """benchmarks/dry_run_device.py: meta over the CPU device per pair, the medians, whether the bytes agree,
+    and RoPE's share of the operators."""
+    ratios = ", ".join(num(r, 2) for r in data["meta_over_cpu_per_pair"])
+    med = data["median_cpu_seconds"]
+    cpu, meta = data["bytes"]["cpu"], data["bytes"]["meta"]
+    same = [k for k in cpu if cpu[k] == meta[k] and k.endswith("_bytes")]
+    counts = data["operator_counts"]
+    bytes_part = ("every byte figure equal" if data["same_bytes"] else
+                  f"equal only for {', '.join(k.replace('_bytes', '') for k in same)} (stash peak "
+                  f"{num(cpu['stash_peak_bytes'] / GIB)} GiB on the CPU device, {num(meta['stash_peak_bytes'] / GIB)} "
+                  f"on meta; total peak {num(cpu['peak_bytes'] / GIB)} against {num(meta['peak_bytes'] / GIB)})")
+    return (f"meta over CPU per pair {ratios} (median {num(med['cpu'], 1)} CPU s on the CPU device, "
+            f"{num(med['meta'], 1)} on meta); {bytes_part}; RoPE's rotation is {counts['rotary']} of the "
+            f"{counts['operators']} operators the rank dispatches ({num(100 * counts['rotary'] / counts['operators'], 1)}%)")
