@@ -34,9 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SEQ, MICRO, GLOBAL, DONE, SEED = 16, 2, 4, 7, 1234
 TRAIN_ITERS = DONE + 1
 SPLIT = "90,10,0"
-# 256 ids (NullTokenizer --vocab-size 255: Megatron's vocabulary is N + 1, EOD = N): a multiple of 128, so
-# no padding rows, which the import drops and Megatron-LM's softmax would count.
-VOCAB, EOD = 256, 255
+# 251 ids (NullTokenizer --vocab-size 250: Megatron's vocabulary is N + 1, EOD = N), padded to 256 rows: the
+# five padding rows of Megatron-LM's embedding and output layer count in its softmax, so the import must keep
+# them (it does at the same padded size).
+VOCAB, EOD = 251, 250
 
 
 def _config():
