@@ -172,6 +172,11 @@ class PeerStore(OffloadStore):
         self.link = link
         self._layouts: dict[Hashable, list[int]] = {}  # chunk -> storage sizes announced to the partner
 
+    @property
+    def announced_layouts(self) -> dict[Hashable, list[int]]:
+        """Chunk -> the storage sizes announced to the partner so far (the dry run hands them to the acceptor)."""
+        return {chunk: list(sizes) for chunk, sizes in self._layouts.items()}
+
     @contextmanager
     def stash(self, key: Hashable) -> Iterator[Stash]:
         # The room this forward needs is the room the last eviction frees: finish it first (the bound).

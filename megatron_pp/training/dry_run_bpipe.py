@@ -65,8 +65,9 @@ def stop_once_announced(pipe) -> None:
 
     def evict_then_check(key, *rest, **kw) -> None:
         evict(key, *rest, **kw)
-        if chunks <= set(store._layouts):
-            raise _Announced({chunk: list(sizes) for chunk, sizes in store._layouts.items()})
+        layouts = store.announced_layouts
+        if chunks <= set(layouts):
+            raise _Announced(layouts)
     store.evict = evict_then_check
 
 
