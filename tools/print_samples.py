@@ -75,6 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     counts = split_sample_counts(train_samples, args.global_batch_size, args.eval_iters, args.eval_interval,
                                  train_iters)
     split = SPLIT_NAMES.index(args.split_name)
+    if args.split_name != "test":  # the job builds no test split (it never reads one): nor is it needed here
+        counts = (counts[0], counts[1], 0)
     try:
         datasets = build_datasets(data_config_from_args(args, seq_length=args.seq_length), counts, eod_id=0)
     except ValueError as exc:  # DataFlagError, CacheMismatch: the flags or the cache directory

@@ -63,7 +63,7 @@ def test_a_batch_size_ramp_up_sets_the_validation_count_as_the_job_counts_it(cor
 
 @pytest.mark.parametrize("flags, message", [
     (["--data-path", "0", "A", "0", "B"], "--data-path: the weights sum to 0"),
-    (["--data-path", "B", "--split", "969,30,1", "--eval-interval", "5"], "leaves"),
+    (["--data-path", "B", "--split", "99,1,0", "--eval-interval", "5"], "leaves"),  # validation: [40, 40)
     (["--data-path", "A", "--data-order", "shuffled"], "--data-order"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(corpus, tmp_path, capsys, flags, message):
@@ -79,3 +79,17 @@ def test_bad_flags_are_one_line_and_exit_2(corpus, tmp_path, capsys, flags, mess
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not os.path.exists(tmp_path / "x.jsonl")
+
+
+def test_a_split_the_job_never_reads_does_not_stop_it(corpus, tmp_path):
+    """--split 969,30,1 of B's 40 sequences leaves the test split empty; the job never reads a test split and
+    runs, so its training samples print; asked for that split, print_samples says it is empty (exit 2)."""
+    _, b = corpus
+    out = str(tmp_path / "train.jsonl")
+    job = ["--data-path", b, "--split", "969,30,1", "--seq-length", "8", "--seed", "3", "--train-iters", "4",
+           "--global-batch-size", "4", "--eval-interval", "5", "--data-cache-path", str(tmp_path / "cache")]
+    assert print_samples.main(job + ["--num-samples", "3", "--json", out]) == 0
+    config = DataConfig(seq_length=8, seed=3, data_path=[b], split="969,30,1", cache_dir=str(tmp_path / "cache"))
+    train = build_datasets(config, (16, 0, 0), eod_id=0)[0]  # the training order depends on its own count only
+    assert [json.loads(line) for line in open(out)] == [train.sample(i).tolist() for i in range(3)]
+    assert print_samples.main(job + ["--num-samples", "1", "--split-name", "test", "--json", out]) == 2
