@@ -283,6 +283,11 @@ def _setting(run: dict) -> str:
     return f"{run['pp']} ({run['num_layers']} layers, m {run['microbatches']}, K {run['K']})"
 
 
+def _size(run: dict) -> str:
+    """'p = 8 (80 layers)'."""
+    return f"p = {run['pp']} ({run['num_layers']} layers)"
+
+
 def _over_bound(run: dict, stash_bytes: float) -> float:
     """Bytes of `stash_bytes` above the bound, (K + 1)/p of 1F1B's rank-0 stash peak (<= 0: within it)."""
     return stash_bytes - run["bound"] * run["runs"]["1f1b"]["ranks"][0]["stash_peak_bytes"]
@@ -312,7 +317,7 @@ def dry_run_bound_table(*runs: dict) -> str:
 
 
 def dry_run_worst_sentence(*runs: dict) -> str:
-    """'p = 4: rank 0 at 1.000 of 1F1B's rank 0, within the bound 1.000 (simulated 1.000, within it); ...':
+    """'p = 4 (84 layers): rank 0 at 1.000 of 1F1B's rank 0, within the bound 1.000 (simulated 1.000, within it); ...':
     each p's worst BPipe rank in the dry run, against the bound, and the simulation's worst."""
     def verdict(over: float) -> str:
         return f"{_kib(over)} KiB over" if over > 0 else "within"
@@ -321,7 +326,7 @@ def dry_run_worst_sentence(*runs: dict) -> str:
         ranks = run["runs"]["bpipe"]["ranks"]
         worst = max(range(len(ranks)), key=lambda r: ranks[r]["stash_peak_bytes"])
         simulated = max(run["runs"]["bpipe"]["simulated_stash_peak_bytes"])
-        parts.append(f"p = {run['pp']}: rank {worst} at {num(run['worst_over_1f1b_rank0'], 3)} of 1F1B's rank 0, "
+        parts.append(f"{_size(run)}: rank {worst} at {num(run['worst_over_1f1b_rank0'], 3)} of 1F1B's rank 0, "
                      f"{verdict(_over_bound(run, ranks[worst]['stash_peak_bytes']))} the bound {num(run['bound'], 3)} "
                      f"(simulated {num(run['simulated_worst_over_1f1b_rank0'], 3)}, "
                      f"{verdict(_over_bound(run, simulated))} it)")
@@ -337,6 +342,7 @@ def dry_run_gap_sentence(*runs: dict) -> str:
 
 
 def dry_run_cpu_sentence(*runs: dict) -> str:
-    """'p = 4: 1F1B 70 CPU s, BPipe 84 CPU s; ...': what each size's dry runs of every pipeline rank cost."""
-    return "; ".join(f"p = {run['pp']}: 1F1B {num(run['runs']['1f1b']['cpu_seconds'], 0)} CPU s, BPipe "
+    """'p = 4 (84 layers): 1F1B 70 CPU s, BPipe 84 CPU s; ...': what each size's dry runs of every pipeline
+    rank cost."""
+    return "; ".join(f"{_size(run)}: 1F1B {num(run['runs']['1f1b']['cpu_seconds'], 0)} CPU s, BPipe "
                      f"{num(run['runs']['bpipe']['cpu_seconds'], 0)} CPU s" for run in runs)

@@ -43,7 +43,8 @@ def runs() -> dict:
     real gloo run's rows."""
     out = {}
     for schedule in ("bpipe", "1f1b"):
-        fake, problems = dry_run.dry_run(parse_args(_argv(schedule) + ["--dry-run-ranks", "all", "--dry-run-jobs", "1"]))
+        every_rank = ["--dry-run-ranks", "all", "--dry-run-jobs", "1"]
+        fake, problems = dry_run.dry_run(parse_args(_argv(schedule) + every_rank))
         real = sorted(run_distributed(4, _real_rank, _argv(schedule)), key=lambda row: row["rank"])
         out[schedule] = (fake, problems, real)
     return out
