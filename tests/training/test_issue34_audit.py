@@ -62,3 +62,30 @@ def test_an_index_cache_made_for_other_flags_is_one_line_exit_2(corpus, tmp_path
         path.write_text(text.replace('"seed": 3', '"seed": 4'))
     err = _fails(argv, tmp_path / "out", capsys)
     assert "made for other flags" in err and str(cache) in err, err
+
+
+def test_ckpt_format_names_the_converter_target_that_writes_that_format(tmp_path, capsys):
+    """--ckpt-format torch|torch_dist: the start-up line names the converter's --target-format, and an export
+    of our checkpoint with that target is the format Megatron-LM's loader expects for the flag's value
+    (args.ckpt_format in the files it writes)."""
+    import torch
+
+    from megatron_pp.convert import convert_checkpoint
+    from megatron_pp.convert.megatron_lm import rank_directory
+    from megatron_pp.training.arguments import build_parser
+    from megatron_pp.training.checkpointing import iteration_dir
+    from megatron_pp.training.megatron_compat import CKPT_FORMATS, accepted_without_effect
+
+    assert sorted(CKPT_FORMATS) == ["torch", "torch_dist"]
+    ours = str(tmp_path / "ours")
+    main(["--model-preset", "gpt-tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
+          "--train-iters", "1", "--save", ours])
+    for value, target in CKPT_FORMATS.items():
+        line = accepted_without_effect(build_parser().parse_args(["--ckpt-format", value]))
+        assert f"--ckpt-format {value} (" in line and f"--target-format {target} writes Megatron-LM's" in line, line
+        save = str(tmp_path / value)
+        convert_checkpoint("megatron_pp", target, ours, save, transformer_impl="local", progress=False)
+        directory = iteration_dir(save, 1)
+        file = (os.path.join(directory, rank_directory(0, 0, 1), "model_optim_rng.pt") if value == "torch"
+                else os.path.join(directory, "common.pt"))
+        assert torch.load(file, weights_only=False)["args"].ckpt_format == value
