@@ -231,6 +231,7 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/testing/matrix_plugin.py": ["tests/testing/test_interaction.py", "tests/training/test_interaction_matrix.py"],
     "megatron_pp/training/dry_run.py": ["tests/training/test_dry_run_tracker.py", "tests/training/test_dry_run.py"],
     "megatron_pp/training/dry_run_agree.py": ["tests/training/test_dry_run.py"],
+    "megatron_pp/training/dry_run_bpipe.py": ["tests/schedules/test_bpipe_dry_run.py", "tests/training/test_dry_run.py"],
     "megatron_pp/training/megatron_compat.py": ["tests/training/test_megatron_lm_scripts.py",
                                                 "tests/training/test_megatron_compat.py"],
     # The tied embedding at every placement: across ranks (interleaved) and both ends on rank 0 (zb-v,
@@ -238,6 +239,7 @@ COVERING: dict[str, list[str]] = {
     "megatron_pp/training/model.py": ["tests/core/test_grad_reduce.py", EDGES, "tests/training/test_pretrain.py"],
     "megatron_pp/training/offload_probe.py": ["tests/training/test_offload_probe.py"],
     "megatron_pp/training/pipeline.py": ["tests/training/test_pretrain.py", "tests/training/test_megatron_compat.py",
+                                         "tests/training/test_batch_ramp.py",  # a ramp's executors (executor_for)
                                          "tests/training/test_dry_run.py", "tests/training/test_batch_ramp_runtime.py",
                                          "tests/training/test_overlap_param_gather.py"],
     "megatron_pp/training/weight_versions.py": ["tests/training/test_2bw.py", "tests/schedules/test_2bw.py"],
