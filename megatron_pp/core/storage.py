@@ -5,10 +5,10 @@ store keyed by it counts every saved tensor as one storage of 0 useful bytes (si
 tensors an address is reused by the allocator as soon as the storage is freed. `storage_key` returns the
 address of the storage's C++ `StorageImpl` instead: distinct for every live storage on every device,
 fake and meta included. A key outlives its storage, though: the next `StorageImpl` may be allocated where
-a freed one was. Whoever keeps keys across frees (the activation store does: a split backward frees what
-its BW does not need while the stash lives) pairs each key with `StorageRef`, a weak reference that tells
-a live storage from a new one at the same key (PyTorch keeps one Python object per live storage, so the
-weak reference dies exactly when the storage does).
+a freed one was. Whoever keeps keys across frees pairs each key with a weak reference (`StorageRef`, which
+tells a live storage from a new one at the same key; the activation store and the dry run's tracker use
+one with a callback, which forgets the key when its storage dies: PyTorch keeps one Python object per live
+storage, so the weak reference dies exactly when the storage does).
 
 Worked example: `a = torch.empty(1000)`, `b = a[2:5]` -> `storage_key(a) == storage_key(b)`; under
 `FakeTensorMode`, `a.data_ptr() == b.data_ptr() == c.data_ptr() == 0` for any third tensor `c`, while
