@@ -267,13 +267,15 @@ class Evaluator:
         """Per pipeline rank, what its backward holds beside state and stashes: the working set of its largest
         chunk (`memory.backward_transient_bytes`), plus the intermediate layered reductions it carries."""
         job, specs = self.job, self.stages(c)
+        rebuilt = int(self._transient(c))  # a recomputing backward's rebuilt layer, which `_memory` adds apart
         per_stage = []
         for spec in specs:
-            key = ("backward", job.fold, c.tp, c.micro_batch_size, spec.num_layers, spec.has_embedding, spec.has_head)
+            key = ("backward", job.fold, c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding,
+                   spec.has_head)
             if key not in self._per_stage:
                 self._per_stage[key] = backward_transient_bytes(
                     job.config, spec, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
-                    numerics=job.numerics, weight_grad_fold=job.fold)
+                    numerics=job.numerics, weight_grad_fold=job.fold, rebuilt=rebuilt)
             per_stage.append(self._per_stage[key])
         params = self.stage_parameters(c)
         # Layered accumulation with several groups: an intermediate reduction copies a chunk's fp32 buckets

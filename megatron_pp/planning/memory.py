@@ -352,6 +352,7 @@ def backward_transient_bytes(
     sequence_parallel: bool = False,
     numerics: Numerics = MEGATRON_BF16,
     weight_grad_fold: str = "fp32-output",
+    rebuilt: int = 0,
 ) -> int:
     """Bytes a stage's backward holds at once beyond the state and its stashes as counted whole (ours, from
     `core.tensor_parallel.layers._LinearFunction.backward` and autograd's freeing order; held to the dry run
@@ -372,10 +373,12 @@ def backward_transient_bytes(
 
     all in the activation dtype but the fold. On the head stage the output layer's backward runs first,
     after the cross-entropy's, which has freed its fp32 softmax (`stash_extra_terms`' "cross-entropy
-    softmax"). Not counted: the norms' and the attention core's backward, the embedding's. Derived for
-    low-precision models (bf16/fp16 parameters with fp32 main gradients) only: an fp32 model (this
-    repository's CPU path) adds autograd's weight gradient into `.grad` and its cross-entropy hands its
-    softmax buffer back as the output layer's gradient; 0 there, not modelled."""
+    softmax"). `rebuilt` is the layer a recomputing backward rebuilds (`transient_activation_bytes`), which
+    the planner adds apart: alive during a layer's backward, not yet during the output layer's, so the head's
+    candidate is charged net of it. Not counted: the norms' and the attention core's backward, the
+    embedding's. Derived for low-precision models (bf16/fp16 parameters with fp32 main gradients) only: an
+    fp32 model (this repository's CPU path) adds autograd's weight gradient into `.grad` and its
+    cross-entropy hands its softmax buffer back as the output layer's gradient; 0 there, not modelled."""
     if weight_grad_fold not in WEIGHT_GRAD_FOLDS:
         raise ValueError(f"weight-gradient fold {weight_grad_fold!r} is not one of {', '.join(WEIGHT_GRAD_FOLDS)}")
     s, b, h = config.seq_length, micro_batch_size, config.hidden_size
@@ -404,8 +407,9 @@ def backward_transient_bytes(
                        column(config.qkv_size // tp) - attention_half]
     if spec.has_head:
         vocab = config.padded_vocab_size(tp) // tp
-        candidates.append(column(vocab) - tokens * vocab * FP32_STAT_BYTES)
+        candidates.append(column(vocab) - tokens * vocab * FP32_STAT_BYTES - rebuilt)
     return rows * h * A + max(candidates)
+
 
 def deferred_weight_grad_bytes(
     config: TransformerConfig,
