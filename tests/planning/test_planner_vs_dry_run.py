@@ -79,3 +79,24 @@ def test_layered_reduction_across_groups_carries_each_chunks_copy_as_the_planner
         assert r["predicted_backward_bytes"] >= carried
         assert abs(r["predicted_over_measured"] - 1) <= 0.03, r
         assert (r["predicted_peak_bytes"] - carried) / r["measured_peak_bytes"] < 0.97
+
+
+FULL_SIZE = ("llama3_70b_1f1b_fused", "gpt3_175b_1f1b", "llama3_70b_interleaved", "llama3_70b_gpipe", "llama3_70b_po_h",
+             "llama3_70b_recompute_full", "llama3_70b_recompute_selective", "llama3_70b_dp2_zero1",
+             "llama3_70b_looped_bfs_layered")
+
+
+@pytest.mark.parametrize("name", FULL_SIZE)
+def test_the_planner_within_3_percent_of_every_committed_full_size_dry_run(name):
+    """docs/dry_run.md's full-size rows (LLaMA-3-70B and GPT-3 175B, every schedule family), each rank the
+    dry run measured: the planner as it stands now within 1% of the peak (the target is 3%; 1% is what it
+    reaches with the backward's working set, which it missed by 0.7% to 1.7%, and the layered carries, by 28%),
+    in the phase it fell in, with the state to the byte."""
+    with open(os.path.join(ROOT, "docs", "results", f"dry_run_{name}.json")) as f:
+        (result,) = json.load(f)["results"]
+    compared = compare_dry_run(result["command"], int(result["command"].split("--dry-run ")[1].split()[0]),
+                               result["ranks"])
+    for r in compared["ranks"]:
+        assert abs(r["predicted_over_measured"] - 1) <= 0.01, (name, r["pipeline_rank"], r["predicted_over_measured"])
+        assert r["predicted_phase"] == r["measured_phase"], (name, r["pipeline_rank"])
+        assert r["predicted_state_bytes"] == r["measured_state_bytes"], (name, r["pipeline_rank"])
