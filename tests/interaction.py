@@ -27,8 +27,8 @@ UPDATE_TOL, UPDATE_SCALE = 1e-6, LR
 # schedule or layout sums the same products in another order and rounds other tensor shards, so correct runs
 # differ by rounding: over the default array (docs/results/interaction_matrix.json) by at most 2.3e-4 (loss) and
 # 8.3e-3 (norm) in bf16 (unit roundoff 2^-8 = 3.9e-3) and 5.6e-6 / 6.5e-4 in fp16 (2^-11 = 4.9e-4); a larger draw
-# (--seed 11 --arrays 2, docs/results/interaction_matrix_seed11x2.json, 122 cases, older code) by 2.6e-4 / 7.8e-3
-# and 9.6e-6 / 2.3e-3. The bounds are 3.6x or more those, and far below what a lost or doubled microbatch does: it moves the gradient by about 1/m
+# (--seed 11 --arrays 2, docs/results/interaction_matrix_seed11x2.json, 122 cases) by 2.9e-4 / 8.3e-3 and
+# 7.2e-6 / 1.8e-3. The bounds are 3.6x or more those, and far below what a lost or doubled microbatch does: it moves the gradient by about 1/m
 # (m = p + 1 <= 5, so >= 20%), as the bf16 zb-h1 fault would (it stops the run, also caught).
 LOW_PRECISION_TOL = {"bf16": {"loss": 2e-3, "grad_norm": 3e-2}, "fp16": {"loss": 5e-4, "grad_norm": 1e-2}}
 
