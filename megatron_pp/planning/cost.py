@@ -268,15 +268,16 @@ class Evaluator:
         chunk (`memory.backward_transient_bytes`), plus the intermediate layered reductions it carries."""
         job, specs = self.job, self.stages(c)
         rebuilt = int(self._transient(c))  # a recomputing backward's rebuilt layer, which `_memory` adds apart
-        per_stage = []
-        for spec in specs:
-            key = ("backward", job.fold, c.tp, c.micro_batch_size, c.recompute, spec.num_layers, spec.has_embedding,
-                   spec.has_head)
+
+        def per_stage(stage: int, freed: bool) -> float:
+            spec = specs[stage]
+            key = ("backward", job.fold, c.tp, c.micro_batch_size, c.recompute, freed, spec.num_layers,
+                   spec.has_embedding, spec.has_head)
             if key not in self._per_stage:
                 self._per_stage[key] = backward_transient_bytes(
                     job.config, spec, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
-                    numerics=job.numerics, weight_grad_fold=job.fold, rebuilt=rebuilt)
-            per_stage.append(self._per_stage[key])
+                    numerics=job.numerics, weight_grad_fold=job.fold, rebuilt=rebuilt, freed=freed)
+            return self._per_stage[key]
         params = self.stage_parameters(c)
         # Layered accumulation with several groups: an intermediate reduction copies a chunk's fp32 buckets
         # and the copy (with the distributed optimizer also the reduce-scatter's 1/dp output) is held until
@@ -286,12 +287,16 @@ class Evaluator:
         out = []
         for rank in range(c.pp):
             reductions = [0] * c.num_chunks
+            offloaded = set()  # a reloaded stash is held by the offload store until its backward ends
             for a in schedule.actions[rank]:
                 if a.op is Op.REDUCE_GRAD:
                     reductions[a.chunk] += 1
+                elif a.op is Op.OFFLOAD:
+                    offloaded.add(a.chunk)
             carried = sum(params[schedule.stage_of(rank, k)] * carried_per_param
                           for k in range(c.num_chunks) if reductions[k] > 1)
-            out.append(float(max(per_stage[schedule.stage_of(rank, k)] for k in range(c.num_chunks)) + carried))
+            working = max(per_stage(schedule.stage_of(rank, k), k not in offloaded) for k in range(c.num_chunks))
+            out.append(float(working + carried))
         return tuple(out)
 
     def stage_compute_costs(self, c: Configuration) -> dict[tuple[Op, int], float]:

@@ -353,6 +353,7 @@ def backward_transient_bytes(
     numerics: Numerics = MEGATRON_BF16,
     weight_grad_fold: str = "fp32-output",
     rebuilt: int = 0,
+    freed: bool = True,
 ) -> int:
     """Bytes a stage's backward holds at once beyond the state and its stashes as counted whole (ours, from
     `core.tensor_parallel.layers._LinearFunction.backward` and autograd's freeing order; held to the dry run
@@ -375,7 +376,10 @@ def backward_transient_bytes(
     after the cross-entropy's, which has freed its fp32 softmax (`stash_extra_terms`' "cross-entropy
     softmax"). `rebuilt` is the layer a recomputing backward rebuilds (`transient_activation_bytes`), which
     the planner adds apart: alive during a layer's backward, not yet during the output layer's, so the head's
-    candidate is charged net of it. Not counted: the norms' and the attention core's backward, the
+    candidate is charged net of it. `freed=False`: nothing of the stash is freed before the backward's end, as
+    for a stash reloaded from the host (PipeOffload: the offload store holds the reloaded tensors, so autograd
+    releasing its saved tensors frees no storage; our reading of the dry run's PO-H rank 0, whose peak held the
+    MLP's saved tensors at fc1's fold). Not counted: the norms' and the attention core's backward, the
     embedding's. Derived for low-precision models (bf16/fp16 parameters with fp32 main gradients) only: an
     fp32 model (this repository's CPU path) adds autograd's weight gradient into `.grad` and its
     cross-entropy hands its softmax buffer back as the output layer's gradient; 0 there, not modelled."""
@@ -390,7 +394,7 @@ def backward_transient_bytes(
     sp = sequence_parallel and tp > 1
     f = config.ffn_size // tp
     fc1 = 2 * f if config.activation == "swiglu" else f
-    mlp = tokens * (2 * fc1 if config.activation == "swiglu" else 2 * f) * A  # the "mlp" stash term
+    mlp = tokens * (2 * fc1 if config.activation == "swiglu" else 2 * f) * A if freed else 0  # the "mlp" term
 
     def column(out: int) -> int:
         return tokens * out * A + tokens * h * A + (tokens * h * A + rows * h * A if sp else 0) + \
@@ -401,13 +405,13 @@ def backward_transient_bytes(
 
     candidates = [0]
     if spec.num_layers:
-        attention_half = mlp + 2 * rows * h * A
+        attention_half = mlp + (2 * rows * h * A if freed else 0)
         projection = config.num_attention_heads * config.head_dim // tp
         candidates += [row(f), column(fc1) - mlp, row(projection) - attention_half,
                        column(config.qkv_size // tp) - attention_half]
     if spec.has_head:
         vocab = config.padded_vocab_size(tp) // tp
-        candidates.append(column(vocab) - tokens * vocab * FP32_STAT_BYTES - rebuilt)
+        candidates.append(column(vocab) - (tokens * vocab * FP32_STAT_BYTES if freed else 0) - rebuilt)
     return rows * h * A + max(candidates)
 
 
