@@ -682,7 +682,7 @@ from doc_renderers_dry_run import dry_run_ranks_table, dry_run_time_sentence  # 
 RENDERERS["dry-run-llama3-70b-1f1b"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_ranks_table)
 RENDERERS["dry-run-time"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_time_sentence)
 from doc_renderers_zb import zero_bubble_ranks_table  # noqa: E402
-RENDERERS["dry-run-llama3-70b-zero-bubble"] = (("docs/results/dry_run_llama3_70b_zb_h1.json", "docs/results/dry_run_llama3_70b_zb_v.json", "docs/results/dry_run_llama3_70b_v_half.json"), zero_bubble_ranks_table)
+RENDERERS["dry-run-llama3-70b-zero-bubble"] = (("docs/results/dry_run_llama3_70b_zb_h1.json", "docs/results/dry_run_llama3_70b_zb_h1_middle.json", "docs/results/dry_run_llama3_70b_zb_v.json", "docs/results/dry_run_llama3_70b_v_half.json"), zero_bubble_ranks_table)
 RENDERERS["dry-run-time-rerun"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_rerun.json", dry_run_time_sentence)
 import doc_renderers_dry_run as dry_run_docs  # noqa: E402
 
