@@ -696,6 +696,7 @@ RENDERERS["planner-vs-dry-runs"] = ("docs/results/planner_vs_dry_run_full_size.j
 RENDERERS["planner-vs-dry-runs-range"] = ("docs/results/planner_vs_dry_run_full_size.json",
                                           dry_run_docs.planner_vs_dry_runs_range)
 RENDERERS["dry-run-device"] = ("docs/results/dry_run_device_llama3_70b_m8.json", dry_run_docs.dry_run_device_sentence)
+RENDERERS["dry-run-time-fused"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_fused.json", dry_run_time_sentence)
 
 
 # docs/schedules.md, emulated compute: per-p figures of the grids and the planner's full-size plans ----------
