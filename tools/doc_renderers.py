@@ -475,6 +475,7 @@ import doc_renderers_glance as glance  # noqa: E402
 import doc_renderers_bench as bench  # noqa: E402
 import doc_renderers_traces as traces  # noqa: E402
 import doc_renderers_sim as sim  # noqa: E402
+import doc_renderers_validation as validation  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
 FULL = "docs/results/reproduce_full.json"
@@ -516,6 +517,12 @@ RENDERERS: dict = {
                                   sim.makespans_against("gis", "interleaved-1f1b")),
     "sim-v-half-idle": (("docs/results/vshape_p4_m8.json", "docs/results/vshape_p8_m32.json",
                          "docs/results/vshape_1f1b_p4_m8.json", "docs/results/vshape_1f1b_p8_m32.json"), sim.v_half_idle),
+    "planner-validation-step-errors": ("docs/results/planner_validation.json", validation.step_error_range),
+    "planner-validation-step-worst": ("docs/results/planner_validation.json", validation.step_error_worst),
+    "planner-validation-spread": ("docs/results/planner_validation.json", validation.iteration_spread),
+    "planner-validation-stash": ("docs/results/planner_validation.json", validation.stash_error_largest),
+    "planner-validation-hosted": ("docs/results/planner_validation.json", validation.hosted_rank_margin),
+    "planner-validation-drift": ("docs/results/planner_validation.json", validation.input_drift),
     "2bw-sim": (tuple(f"docs/results/2bw_sim_p{p}_m{m}.json" for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16))),
                 sim.two_bw_table),
     "trends-bpipe": ("docs/results/reproduce_bpipe.json", trends_of("bpipe")),
