@@ -476,6 +476,7 @@ import doc_renderers_bench as bench  # noqa: E402
 import doc_renderers_traces as traces  # noqa: E402
 import doc_renderers_sim as sim  # noqa: E402
 import doc_renderers_validation as validation  # noqa: E402
+import doc_renderers_dry_run_prose as dry_prose  # noqa: E402
 
 ESTIMATE = "docs/results/estimate_bpipe_48gpu_gpt3_{}.json".format
 FULL = "docs/results/reproduce_full.json"
@@ -523,6 +524,13 @@ RENDERERS: dict = {
     "planner-validation-stash": ("docs/results/planner_validation.json", validation.stash_error_largest),
     "planner-validation-hosted": ("docs/results/planner_validation.json", validation.hosted_rank_margin),
     "planner-validation-drift": ("docs/results/planner_validation.json", validation.input_drift),
+    "dry-run-1f1b-backward-low": ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_prose.backward_low),
+    "dry-run-1f1b-backward-transient": ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_prose.backward_transient),
+    "dry-run-1f1b-optimizer-ranks": ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_prose.optimizer_ranks),
+    "dry-run-1f1b-optimizer-transient": ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_prose.optimizer_transient),
+    "dry-run-1f1b-optimizer-low": ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_prose.optimizer_low),
+    "dry-run-1f1b-fused-vs-foreach": (("docs/results/dry_run_llama3_70b_1f1b_fused.json", "docs/results/dry_run_bench_llama3_70b_1f1b.json"),
+                                      dry_prose.fused_against_foreach),
     "2bw-sim": (tuple(f"docs/results/2bw_sim_p{p}_m{m}.json" for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16))),
                 sim.two_bw_table),
     "trends-bpipe": ("docs/results/reproduce_bpipe.json", trends_of("bpipe")),
