@@ -26,26 +26,47 @@ def test_release_storage_keeps_backward_exact():
     assert torch.equal(x.grad, release_ref.grad)
 
 
-def _count_released(ctx):
+def _held_after_backward(ctx):
+    """Per rank: its number of forwards, and before each compute action how many forward outputs whose
+    backward has already run still hold their data. A sent output's storage is released once its send
+    completes while the output is alive, and the output itself goes once its backward has run (gloo's sends
+    report completion only when waited for, at the step's end, so nothing may hold the output until then)."""
+    import weakref
+
+    from megatron_pp.schedules.execute import ExecutorHooks
+    from megatron_pp.schedules.ir import Op
+
     state = ctx.parallel_state(1, 2)
     config = get_preset("gpt-tiny")
     pipe = build_pipeline(config, state, build_schedule("1f1b", 2, 4), micro_batch_size=2, seed=3)
-    released = []
-    original = p2p.release_storage
-    import megatron_pp.schedules.execute as execute
+    outputs, done, running, held = [], [], [], []
 
-    execute.release_storage = lambda t: (released.append(t.shape), original(t))
+    def holds_data(ref):
+        t = ref()
+        return t is not None and t.untyped_storage().nbytes() > t.element_size()
+
+    class Watch(ExecutorHooks):
+        def before_compute(self, action):
+            done.extend(running)
+            running.clear()
+            if action.op in (Op.B, Op.BI):
+                running.append(action.microbatch)
+            held.append(sum(holds_data(outputs[mb]) for mb in done))
+
+    hook = pipe.chunks[0].register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    pipe.executor._install(Watch())
     try:
         data = MockData(3, config.seq_length, config.vocab_size, 2, 8 * state.dp_size, state.dp_size)
         train_step(pipe, data.step_microbatches(0, state.dp_rank))
     finally:
-        execute.release_storage = original
-    return state.pp_rank, len(released)
+        hook.remove()
+    return state.pp_rank, (len(outputs), max(held))
 
 
 def test_executor_frees_every_sent_activation():
-    results = dict(run_distributed(2, _count_released))
-    assert results == {0: 4, 1: 0}  # rank 0 sends 4 activations downstream; the last stage sends none
+    results = dict(run_distributed(2, _held_after_backward))
+    # Rank 0 sends its 4 activations downstream; none holds its data once its backward has run.
+    assert results[0] == (4, 0)
 
 
 def _posted_receives(ctx):
