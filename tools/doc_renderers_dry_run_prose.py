@@ -72,3 +72,40 @@ def fused_against_foreach(fused: dict, foreach: dict) -> str:
     now = _pairs_text([f"{by_rank[p]['peak_bytes'] / GIB:.2f}" for p in ranks])
     then = _pairs_text([f"{before[p]['peak_bytes'] / GIB:.2f}" for p in ranks])
     return f"{now} GiB, against {then} with foreach"
+
+
+TARGET_S = 180  # issue 33's target for every distinct rank of the LLaMA-3-70B 1F1B m 64 job on 2 cores
+
+
+def against_target(data: dict) -> str:
+    """'456 s against the 180 s target, 2.5×': the first configuration's wall clock."""
+    wall = data["results"][0]["wall_seconds"]
+    return f"{wall:.0f} s against the {TARGET_S} s target, {wall / TARGET_S:.1f}×"
+
+
+def two_idle_cores(data: dict) -> str:
+    """The CPU time spread perfectly over two idle cores: '194 s'."""
+    return f"{data['results'][0]['cpu_seconds'] / 2:.0f} s"
+
+
+def cpu_seconds_total(*runs: dict) -> str:
+    """CPU seconds over several runs that together cover one job's ranks: '978.8 CPU s'."""
+    return f"{sum(res['cpu_seconds'] for data in runs for res in data['results']):.1f} CPU s"
+
+
+def profile_shares(data: dict) -> str:
+    """benchmarks/dry_run_profile.py: the executor's time by part, as cProfile shares."""
+    shares = data["executor_shares"]
+
+    def share(key: str) -> str:
+        value = shares[key] * 100
+        return f"{value:.1f}%" if value < 1 else f"{value:.0f}%"
+    return (f"FakeTensorMode's own dispatch {share('fake tensor dispatch')} (the cache key built from every "
+            f"argument's metadata, and the fake output rebuilt from the cache entry), our tracker "
+            f"{share('memory tracker itself')}, the watch {share('communication watch itself')}, model code and "
+            f"autograd {share('model code and autograd engine')}")
+
+
+def meta_stash_ratio(data: dict) -> str:
+    """How many times the CPU device's stash peak the meta device counts: '4.2×'."""
+    return f"{data['bytes']['meta']['stash_peak_bytes'] / data['bytes']['cpu']['stash_peak_bytes']:.1f}×"
