@@ -8,24 +8,30 @@ from doc_format import num, table
 GIB = 2**30
 
 
+def ranks_of(*runs: dict):
+    """Every simulated rank of `tools/dry_run_table.py` JSON files, in order: (configuration result, rank row,
+    the rank's state bytes: parameters + gradients + optimizer). The tables of docs/dry_run.md and the
+    figures its prose quotes all read rows through this."""
+    for data in runs:
+        for res in data["results"]:
+            for r in res["ranks"]:
+                yield res, r, r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"]
+
+
 def dry_run_ranks_table(*runs: dict) -> str:
     """Per configuration and simulated rank: state (parameters + gradients + optimizer), stash peak, transient,
     total peak and host peak from the dry run (GiB), the planner's peak and the ratio of the two, where the
     peak fell, and the rank's CPU seconds."""
     rows = []
-    for data in runs:
-        for res in data["results"]:
-            plan = res["planner"]
-            for r in res["ranks"]:
-                p = r["pipeline_rank"]
-                state = r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"]
-                theirs = plan["memory_bytes"][p] if "memory_bytes" in plan else None
-                rows.append([res["name"], str(r["rank"]), str(p), num(state / GIB), num(r["stash_peak_bytes"] / GIB),
-                             num(r["transient_peak_bytes"] / GIB), num(r["peak_bytes"] / GIB),
-                             num(r.get("host_peak_bytes", 0) / GIB),
-                             num(theirs / GIB) if theirs is not None else plan.get("error", "n/a"),
-                             num(theirs / r["peak_bytes"], 3) if theirs is not None else "",
-                             r["peak_at"], num(r["seconds"], 1)])
+    for res, r, state in ranks_of(*runs):
+        plan, p = res["planner"], r["pipeline_rank"]
+        theirs = plan["memory_bytes"][p] if "memory_bytes" in plan else None
+        rows.append([res["name"], str(r["rank"]), str(p), num(state / GIB), num(r["stash_peak_bytes"] / GIB),
+                     num(r["transient_peak_bytes"] / GIB), num(r["peak_bytes"] / GIB),
+                     num(r.get("host_peak_bytes", 0) / GIB),
+                     num(theirs / GIB) if theirs is not None else plan.get("error", "n/a"),
+                     num(theirs / r["peak_bytes"], 3) if theirs is not None else "",
+                     r["peak_at"], num(r["seconds"], 1)])
     return table(["configuration", "rank", "pp rank", "state GiB", "stash peak GiB", "transient GiB",
                   "dry run peak GiB", "host peak GiB", "planner GiB", "planner / dry run", "peak at", "CPU s"], rows)
 

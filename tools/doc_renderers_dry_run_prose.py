@@ -4,11 +4,11 @@ recorded with its run (`planner.memory_bytes` per pipeline rank); "low" is 1 −
 """
 from __future__ import annotations
 
-GIB = 2**30
+from doc_renderers_dry_run import GIB, ranks_of
 
 
 def _ranks(data: dict, name: str | None = None) -> list[tuple[dict, dict]]:
-    found = [(res, r) for res in data["results"] if name is None or res["name"] == name for r in res["ranks"]]
+    found = [(res, r) for res, r, _ in ranks_of(data) if name is None or res["name"] == name]
     if not found:
         raise ValueError(f"no dry-run rows named {name!r}")
     return found

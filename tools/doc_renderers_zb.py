@@ -4,8 +4,7 @@ JSON files."""
 from __future__ import annotations
 
 from doc_format import num, table
-
-GIB = 2**30
+from doc_renderers_dry_run import GIB, ranks_of
 
 
 def zero_bubble_ranks_table(*runs: dict) -> str:
@@ -13,18 +12,14 @@ def zero_bubble_ranks_table(*runs: dict) -> str:
     the dry run's total peak and the planner's, their ratio, where the dry run peaked and the AdamW kernel
     it built (the planner was asked for the same one)."""
     rows = []
-    for data in runs:
-        for res in data["results"]:
-            plan = res["planner"]
-            for r in res["ranks"]:
-                p = r["pipeline_rank"]
-                state = r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"]
-                rows.append([res["name"], str(r["rank"]), str(p), num(state / GIB),
-                             num(r["stash_peak_bytes"] / GIB), num(plan["stash_bytes"][p] / GIB),
-                             num(r["transient_peak_bytes"] / GIB), num(r["peak_bytes"] / GIB),
-                             num(plan["memory_bytes"][p] / GIB), num(plan["memory_bytes"][p] / r["peak_bytes"], 3),
-                             r["peak_at"], r.get("optimizer_implementation") or "foreach (job's CPU choice)",
-                             num(r["seconds"], 1)])
+    for res, r, state in ranks_of(*runs):
+        plan, p = res["planner"], r["pipeline_rank"]
+        rows.append([res["name"], str(r["rank"]), str(p), num(state / GIB),
+                     num(r["stash_peak_bytes"] / GIB), num(plan["stash_bytes"][p] / GIB),
+                     num(r["transient_peak_bytes"] / GIB), num(r["peak_bytes"] / GIB),
+                     num(plan["memory_bytes"][p] / GIB), num(plan["memory_bytes"][p] / r["peak_bytes"], 3),
+                     r["peak_at"], r.get("optimizer_implementation") or "foreach (job's CPU choice)",
+                     num(r["seconds"], 1)])
     return table(["configuration", "rank", "pp rank", "state GiB", "stash peak GiB", "planner stash GiB",
                   "transient GiB", "dry run peak GiB", "planner GiB", "planner / dry run", "peak at", "AdamW",
                   "CPU s"], rows)
