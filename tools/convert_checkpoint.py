@@ -140,6 +140,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.target_format == "megatron_pp":
         flags = ["--load", result.save_dir, "--finetune", *layout.training_flags(), *training_flags(result.config)]
         print("train it with:", " ".join(flags))
+        if result.iteration > 0:
+            print(f"(--finetune starts at iteration 0; to continue this run at iteration {result.iteration}, "
+                  f"{result.consumed_samples} samples consumed, pass --no-load-optim --no-load-rng instead)")
     elif args.target_format in ("megatron_lm", "torch_dist"):
         print("load it in Megatron-LM with: --load", result.save_dir, "--use-checkpoint-args --finetune",
               "(or --no-load-optim --no-load-rng to continue at its iteration)" if args.target_format == "megatron_lm"

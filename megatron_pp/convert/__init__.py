@@ -69,6 +69,9 @@ class Conversion:
     files: list[str]
     stages: Optional[list[StageSpec]] = None
     """The layer split written (megatron_pp and Megatron-LM targets)."""
+    iteration: int = 0
+    """The source's training position (0 for a Hugging Face source), kept by every target but Hugging Face."""
+    consumed_samples: int = 0
 
 
 def convert_checkpoint(
@@ -112,6 +115,8 @@ def convert_checkpoint(
         if tokenizer_dir is not None:
             check_vocabulary(config, tokenizer_dir)
         saved = dataclasses.replace(config, params_dtype=dtype or config.params_dtype)
+        position = dict(iteration=int(getattr(reader, "iteration", 0) or 0),
+                        consumed_samples=int(getattr(reader, "consumed_samples", 0) or 0))
         common = dict(dtype=dtype, tokenizer_dir=tokenizer_dir, progress=progress)
         if target_format == "hf":
             files = write_hf(reader, config, save_dir, max_shard_bytes=max_shard_bytes, **common)
@@ -120,15 +125,15 @@ def convert_checkpoint(
             stages = write_megatron_pp(reader, config, save_dir, layout, **common,
                                        source={"format": source_format, "path": os.path.abspath(load_dir)})
             files = sorted(model_file(s.stage, r) for s in stages for r in range(layout.tp))
-            return Conversion(save_dir, saved, files, stages)
+            return Conversion(save_dir, saved, files, stages, **position)
         if target_format == "megatron_lm":
             stages = write_megatron_lm(reader, config, save_dir, layout, transformer_impl=transformer_impl, **common)
             files = sorted(os.path.join(rank_directory(t, p, layout.pp), MEGATRON_LM_FILE)
                            for t in range(layout.tp) for p in range(layout.pp))
-            return Conversion(save_dir, saved, files, stages)
+            return Conversion(save_dir, saved, files, stages, **position)
         stages = write_torch_dist(reader, config, save_dir, layout, transformer_impl=transformer_impl, **common)
         files = sorted(name for name in os.listdir(_only_iteration(save_dir)) if name.endswith(".distcp"))
-        return Conversion(save_dir, saved, files, stages)
+        return Conversion(save_dir, saved, files, stages, **position)
 
 
 def _only_iteration(save_dir: str) -> str:

@@ -2,8 +2,9 @@
 
 `MegatronPPReader` reads what `checkpointing.save_checkpoint` (or `write_megatron_pp`) wrote, one
 global stage's files memory-mapped at a time. `write_megatron_pp` shards for any tp / pp / virtual
-stages / uneven split and writes the metadata `load_checkpoint` accepts, without optimizer or RNG files
-(load it with `--finetune`). Resharding is this reader feeding this writer.
+stages / uneven split and writes the metadata `load_checkpoint` accepts (the source's iteration and consumed
+samples), without optimizer or RNG files: load it with `--no-load-optim --no-load-rng` to continue the run, or
+`--finetune` to start a new one. Resharding is this reader feeding this writer.
 """
 from __future__ import annotations
 

@@ -138,10 +138,19 @@ def test_resumed_megatron_lm_checkpoint_trains_on_the_batch_megatron_lm_reads_ne
     for wrong in (0, (DONE - 1) * GLOBAL):  # the comparison tells the batches apart
         assert abs(losses[wrong] - expected) > 10 * 1e-5 * expected, losses
 
-    convert_checkpoint("megatron_lm" if fmt == "torch" else "torch_dist", "megatron_pp", mcore_dir, ours_dir,
-                       true_vocab_size=VOCAB, progress=False)
+    result = convert_checkpoint("megatron_lm" if fmt == "torch" else "torch_dist", "megatron_pp", mcore_dir,
+                                ours_dir, true_vocab_size=VOCAB, progress=False)
+    assert (result.iteration, result.consumed_samples) == (DONE, DONE * GLOBAL)
     with open(os.path.join(iteration_dir(ours_dir, DONE), "metadata.json")) as f:
         assert json.load(f)["consumed_samples"] == DONE * GLOBAL
+    if fmt == "torch":  # resharding keeps the position, and the tool says how to continue from it
+        resharded = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--source-format", "megatron_pp",
+             "--target-format", "megatron_pp", "--load-dir", ours_dir, "--save-dir", str(tmp_path / "resharded"),
+             "--no-progress"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert resharded.returncode == 0, resharded.stderr[-2000:]
+        assert (f"to continue this run at iteration {DONE}, {DONE * GLOBAL} samples consumed, pass --no-load-optim "
+                "--no-load-rng instead") in resharded.stdout, resharded.stdout
 
     model_flags = training_flags(config)
     model_flags[model_flags.index("--vocab-size") + 1] = str(VOCAB - 1)  # NullTokenizer: N + 1 ids

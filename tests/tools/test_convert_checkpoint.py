@@ -753,6 +753,7 @@ def test_cli_converts_and_prints_the_training_flags(hf_dirs, tmp_path):
     assert "megatron_pp shards: 100%" in proc.stderr  # the progress bar
     assert "layers per global stage: [0-2, 2-4]" in proc.stdout
     assert f"--load {save} --finetune --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in proc.stdout
+    assert "to continue this run" not in proc.stdout  # a Hugging Face source has no training position
 
 
 @pytest.mark.parametrize("argv,message", [
