@@ -3,7 +3,9 @@
 Each rank runs its list in order on one compute stream. Sends are asynchronous: a send costs no compute
 time and its data reaches the peer `p2p_latency` after it is posted, whenever the peer posts the receive.
 Receives cost no compute time either; the compute that consumes a received tensor waits for that
-receive's data and nothing else. That is what the executor does where each point-to-point operation is
+receive's data and nothing else. A host that runs the list itself (no device stream to post ahead of)
+pays `CostModel.host_compute` before each compute action and `host_post` per send or receive posted, on
+the rank's clock (both 0 by default: the schedule's own timeline). That is what the executor does where each point-to-point operation is
 its own work (gloo: sends are completed in the background, enough receives of each link are posted ahead
 so its data can flow during compute, and a receive is waited for by its consumer only; see
 `schedules.execute`). On NCCL a batch is one coalesced work, so a consumer there also waits for the other
@@ -64,6 +66,14 @@ class CostModel:
     """Per global stage multiplier of the four durations above (e.g. layers per stage); None = all 1."""
     p2p_latency: float = 0.0
     """Time from a send to the data being available at the receiver."""
+    host_compute: float = 0.0
+    """Host time the rank spends before each compute action (the executor's loop and dispatch): the action
+    starts no earlier than the rank's clock plus this, and waiting for its input overlaps it."""
+    host_post: float = 0.0
+    """Host time to post one send or receive: a communication batch advances the rank's clock by this per
+    send and receive in it, sends first, each send leaving when its own post is done. Both host fields are
+    ours, for a host that runs the list without posting ahead of a device stream (the emulated CPU runs of
+    `tools/trace_vs_sim.py --emulate` calibrate them); 0 (the default) is a host that costs nothing."""
     transfer: float | None = None
     """One-way time of a stash transfer (OFFLOAD, RELOAD, EVICT, LOAD) as a multiple of the forward time of
     its chunk; None takes the schedule's planned `offload_time` option, else `DEFAULT_TRANSFER`."""
@@ -78,7 +88,8 @@ class CostModel:
     above, or a function (op, global stage) -> time that replaces them entirely (transfers included)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "backward_input", "backward_weight", "p2p_latency"):
+        for name in ("forward", "backward", "backward_input", "backward_weight", "p2p_latency", "host_compute",
+                     "host_post"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
         if self.stage_weights is not None:
@@ -257,7 +268,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                 end += 1
             batch = sides[i:end]
             if state.posted_at is None:
-                _post_sends(state, batch, arrival, latency, wakeups)
+                _post_sends(state, batch, arrival, latency, costs.host_post, wakeups)
             # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
             # each consumer waits for its own receive only (`_run_compute`).
             if any(side & 1 and len(arrival[side >> 1]) <= k for side, k, _, _ in batch):
@@ -281,14 +292,22 @@ def _check_costs(schedule: Schedule, costs: CostModel) -> None:
                              f"{schedule.num_stages} stages")
 
 
-def _post_sends(state: "_RankState", batch, arrival: list[list[float]], latency: float, wakeups: "Wakeups") -> None:
+def _post_sends(state: "_RankState", batch, arrival: list[list[float]], latency: float, host_post: float,
+                wakeups: "Wakeups") -> None:
     """Post a communication batch: its sends leave now (an even side sends, see `Side`), each arriving on its
-    link after `latency`, and wake their receivers."""
+    link after `latency`, and wake their receivers. With a `host_post` time, the sends are posted first, one
+    after the other, each leaving once its own post is done, then the receives; the rank's clock moves on by
+    the whole batch's posts."""
     state.posted_at = state.clock
+    posted = state.clock
     for side, _, peer, _ in batch:
         if not side & 1:
-            arrival[side >> 1].append(state.clock + latency)
+            if host_post:
+                posted += host_post
+            arrival[side >> 1].append(posted + latency)
             wakeups.wake(peer)
+    if host_post:
+        state.clock += host_post * len(batch)
 
 
 def _complete_batch(actions, batch, state: "_RankState", arrival: list[list[float]]) -> None:
@@ -395,7 +414,7 @@ def _room_for_guest(state: _RankState) -> bool:
 def _run_compute(rank: int, index: int, action: Action, durations: _Durations, state: _RankState) -> None:
     """Run one compute action on the rank's compute stream, once its inputs and its stash are there."""
     op = action.op
-    start = state.clock
+    start = state.clock + durations.costs.host_compute
     key = (action.microbatch, action.chunk)
     if op is not Op.BW:
         arrived = state.inputs_at.pop((Op.F if op is Op.F else Op.B, *key), None)
