@@ -2,8 +2,9 @@
 
 `prepare_demo_data(cache_dir)` walks the standard library's source files in sorted order (test
 directories excluded), takes every module, class and function docstring with its qualified name,
-adds the `pydoc_data` help topics, and so gets about 2 MB of English technical prose in some 650
-documents, shuffled with a fixed seed so a `--split` puts representative modules in every split.
+adds the `pydoc_data` help topics, and so gets a few MB of English technical prose in some hundreds of
+documents (docs/results/demo_corpus.json has the counts for one Python), shuffled with a fixed seed so a
+`--split` puts representative modules in every split.
 It then runs the same pipeline a user runs on their own corpus: train a byte-level BPE
 (`train_bpe`, 4096 tokens), tokenize with `preprocess_jsonl` (EOD appended), and return the flags'
 values for `pretrain_gpt.py`. Nothing is downloaded; it takes a few seconds.
@@ -14,9 +15,11 @@ recipe or interpreter builds a new directory. The directory is built under a tem
 renamed when complete, so concurrent callers and interrupted builds never see half a corpus.
 
     python -m megatron_pp.data.demo_corpus runs/demo-data   # prints the --data-path/--tokenizer-* flags
+    python -m megatron_pp.data.demo_corpus runs/demo-data --stats-json stats.json   # and writes its counts
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import json
@@ -33,12 +36,14 @@ from typing import Iterator, Optional
 
 from megatron_pp.data.preprocess import preprocess_jsonl
 from megatron_pp.data.indexed import IndexedDataset, apply_umask
+from megatron_pp.data.megatron_order import split_bounds
 from megatron_pp.data.tokenizers import build_tokenizer, train_bpe
 
 # Bump when anything below changes what gets built: old caches are then left alone and rebuilt.
 RECIPE_VERSION = 1
 VOCAB_SIZE = 4096
 SHUFFLE_SEED = 0
+DEMO_SPLIT = "95,5,0"  # launch/demo.sh's --split: the split the stats JSON counts
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 _DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -173,5 +178,62 @@ def demo_flags(info: dict) -> list[str]:
             "--tokenizer-model", info["tokenizer_model"]]
 
 
+def corpus_stats(info: dict, split: str = DEMO_SPLIT) -> dict:
+    """What a prepared corpus holds, whole and per split: documents, bytes of its JSON lines (each line with
+    its newline) and tokens (EOD included), each split the documents `split_bounds` gives it (Megatron-LM's
+    rule: one sequence per document here); a split with a zero share is None. Counted from the built files."""
+    dataset = IndexedDataset(info["data_prefix"])
+    with open(info["corpus_file"], "rb") as f:
+        line_bytes = [len(line) for line in f]
+    if len(line_bytes) != len(dataset) or dataset.num_documents != len(dataset):
+        raise ValueError(f"{info['corpus_file']} has {len(line_bytes)} lines, {info['data_prefix']} "
+                         f"{len(dataset)} sequences in {dataset.num_documents} documents: not one per line")
+    tokens = dataset.sequence_lengths.astype("int64")
+    splits = {}
+    for name, bounds in zip(("train", "valid", "test"), split_bounds(split, len(dataset))):
+        lo, hi = bounds if bounds is not None else (0, 0)
+        splits[name] = None if bounds is None else {
+            "documents": hi - lo, "corpus_bytes": sum(line_bytes[lo:hi]), "tokens": int(tokens[lo:hi].sum())}
+    return {"documents": len(dataset), "corpus_bytes": sum(line_bytes), "tokens": int(tokens.sum()),
+            "vocab_size": info["vocab_size"], "recipe_version": info["recipe_version"],
+            "python": info["python"].split()[0], "split": split,
+            "split_rule": "megatron_order.split_bounds (--data-order megatron, the default)", "splits": splits}
+
+
+def _write_json(path: str, data: dict) -> None:
+    """`data` as indented JSON at `path`, written under a temporary name and renamed."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="Build (once) the demo corpus; print its pretrain_gpt.py flags.")
+    parser.add_argument("cache_dir", nargs="?", default="runs/demo-data")
+    parser.add_argument("--stats-json", metavar="PATH",
+                        help="also write its documents, bytes and tokens, whole and per split of --split")
+    parser.add_argument("--split", default=DEMO_SPLIT, help=f"train,valid,test shares (default {DEMO_SPLIT}, "
+                        "launch/demo.sh's)")
+    args = parser.parse_args(argv)
+    if args.stats_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.stats_json))):
+        parser.exit(2, f"--stats-json: directory of {args.stats_json} does not exist\n")
+    if args.stats_json:
+        from megatron_pp.data.builder import parse_split  # here: the builder imports torch, the demo's flags need not
+
+        try:
+            parse_split(args.split)
+        except ValueError as exc:
+            parser.exit(2, f"{exc}\n")
+    info = prepare_demo_data(args.cache_dir)
+    if args.stats_json:
+        stats = corpus_stats(info, args.split)
+        where = "CACHE_DIR" if os.path.isabs(args.cache_dir) else args.cache_dir
+        stats["command"] = f"python -m megatron_pp.data.demo_corpus {where} --stats-json {args.stats_json}" + (
+            "" if args.split == DEMO_SPLIT else f" --split {args.split}")
+        _write_json(args.stats_json, stats)
+    print(shlex.join(demo_flags(info)))
+
+
 if __name__ == "__main__":
-    print(shlex.join(demo_flags(prepare_demo_data(sys.argv[1] if len(sys.argv) > 1 else "runs/demo-data"))))
+    main()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron_pp.data import demo_corpus
+from megatron_pp.data import demo_corpus, megatron_order
 from megatron_pp.data.builder import DataConfig, build_datasets, check_data_args
 from megatron_pp.data.demo_corpus import demo_flags, prepare_demo_data
 from megatron_pp.data.indexed import IndexedDataset
@@ -72,3 +72,52 @@ def test_demo_flags_feed_the_data_pipeline(demo, tmp_path):
     tok = build_tokenizer(**config.tokenizer_args())
     text = tok.detokenize(batch["tokens"][0].tolist())
     assert sum(c.isalpha() for c in text) > len(text) / 2  # prose, not noise
+
+
+def test_stats_count_the_built_files_whole_and_per_split(demo, tmp_path):
+    cache_dir, info = demo
+    stats = demo_corpus.corpus_stats(info, "95,5,0")
+    assert (stats["documents"], stats["tokens"], stats["corpus_bytes"]) == (
+        info["num_documents"], info["num_tokens"], info["corpus_bytes"])
+    train, valid, test = (stats["splits"][k] for k in ("train", "valid", "test"))
+    assert test is None  # a zero share builds no split
+    ds = IndexedDataset(info["data_prefix"])
+    (lo, hi), _, _ = megatron_order.split_bounds("95,5,0", len(ds))
+    assert (lo, train["documents"], valid["documents"]) == (0, hi, len(ds) - hi)
+    assert train["tokens"] == sum(len(ds[i]) for i in range(hi))
+    for key in ("documents", "tokens", "corpus_bytes"):
+        assert train[key] + valid[key] == stats[key]
+    third = demo_corpus.corpus_stats(info, "1,1,1")["splits"]["test"]
+    assert third["documents"] == len(ds) - round(2 / 3 * len(ds)) and third["tokens"] > 0
+
+
+def test_stats_json_from_the_command_line(demo, tmp_path, capsys):
+    cache_dir, info = demo
+    out = tmp_path / "stats.json"
+    demo_corpus.main([cache_dir, "--stats-json", str(out)])
+    assert capsys.readouterr().out.split() == demo_flags(info)  # the flags launch/demo.sh reads, unchanged
+    written = json.loads(out.read_text())
+    assert written["splits"] == demo_corpus.corpus_stats(info)["splits"] and written["split"] == "95,5,0"
+    for bad, says in ((["--split", "0,0"], "--split '0,0'"), (["--stats-json", str(tmp_path / "no" / "s.json")],
+                                                               "--stats-json")):
+        argv = [cache_dir] + (["--stats-json", str(out)] if "--stats-json" not in bad else []) + bad
+        with pytest.raises(SystemExit) as exit_:
+            demo_corpus.main(argv)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_committed_stats_describe_the_demo_split(demo):
+    """docs/results/demo_corpus.json (docs/data.md renders it) counts launch/demo.sh's split, and its splits add
+    up to the whole; on the Python version that wrote it (the corpus is that Python's standard library), a fresh
+    build gives the same counts."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "results", "demo_corpus.json")) as f:
+        committed = json.load(f)
+    with open(os.path.join(root, "launch", "demo.sh")) as f:
+        assert f"--split {committed['split']} " in f.read()
+    assert committed["split"] == demo_corpus.DEMO_SPLIT
+    for key in ("documents", "tokens", "corpus_bytes"):
+        assert sum(s[key] for s in committed["splits"].values() if s) == committed[key]
+    fresh = demo_corpus.corpus_stats(demo[1])
+    if fresh["python"] == committed["python"]:
+        assert fresh == {k: v for k, v in committed.items() if k != "command"}
