@@ -730,3 +730,11 @@ RENDERERS["emulate-bubble-only"] = (EMULATED, emulate.emulate_bubble_only_misses
 RENDERERS["emulate-claims-shown"] = (EMULATED, emulate.emulate_claims_shown)
 RENDERERS["emulate-plans"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_table)
 RENDERERS["emulate-plans-early"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_early_receives)
+
+
+# docs/data.md, README.md: the demo corpus's counts (python -m megatron_pp.data.demo_corpus ... --stats-json) ----
+import doc_renderers_data as data_docs  # noqa: E402
+
+RENDERERS["demo-corpus-mb"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_megabytes)
+RENDERERS["demo-corpus-size"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_size)
+RENDERERS["demo-corpus-tokens"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_tokens)
