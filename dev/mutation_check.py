@@ -617,16 +617,18 @@ def _run(args, parser, notes: dict, modules: Sequence[str], argv, tree: str, hea
         mutants = sorted(random.Random(args.seed).sample(mutants, min(args.sample, len(mutants))),
                          key=lambda m: (m.path, m.line, m.col, m.operator))
     command = "python dev/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # What was mutated: a partial report (a run stopped early) says it as the whole one does.
+    since = {} if args.since is None else {"since": args.since, "at": head or "working tree",
+                                           "changed_unmapped": unmapped}
 
     def partial(results: list[dict]) -> None:
         # Written after every mutant, so a run stopped early still leaves what it measured (marked partial).
         if args.out and len(results) < len(mutants):
-            write_json(args.out, {**report(results, notes, command), "partial": f"{len(results)} of {len(mutants)}"})
+            write_json(args.out, {**report(results, notes, command), **since,
+                                  "partial": f"{len(results)} of {len(mutants)}"})
 
     results = check(tree, mutants, args.timeout, on_result=partial)
-    summary = report(results, notes, command)
-    if args.since is not None:
-        summary = {**summary, "since": args.since, "at": head or "working tree", "changed_unmapped": unmapped}
+    summary = {**report(results, notes, command), **since}
     print(f"{summary['killed']} of {summary['non_equivalent']} non-equivalent mutants killed "
           f"({summary['equivalent']} equivalent, {len(summary['survivors'])} survived)")
     if args.out:

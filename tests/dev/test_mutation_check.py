@@ -163,3 +163,30 @@ def test_the_committed_tree_leaves_out_what_is_not_committed(tmp_path):
     assert mutation_check.changed_lines(str(repo), "HEAD~1") == {"toy.py": {6, 8}}  # the working tree's view
     with pytest.raises(ValueError, match="no-such-commit"):
         mutation_check.committed_tree(str(repo), str(tmp_path / "out2"), "no-such-commit")
+
+
+def test_a_run_stopped_early_leaves_a_partial_report_that_says_what_it_mutated(tmp_path, monkeypatch):
+    """The report is rewritten after every mutant, so a `--since` run stopped early (a session's time limit)
+    still says which commit it mutated and since when, as the finished one does, marked `partial`."""
+    import json
+
+    snapshots = []
+
+    def two_mutants_then_stop(root, mutants, timeout, log=print, on_result=None):
+        results = []
+        for mutant, outcome in zip(mutants, ("failed", "survived")):
+            results.append({**mutation_check._describe(mutant), "outcome": outcome,
+                            "killed_by_suite": "t.py::t" if outcome == "failed" else None, "seconds": 1.0})
+            on_result(results)
+            snapshots.append(json.loads(out.read_text()))
+        raise KeyboardInterrupt
+
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(mutation_check, "check", two_mutants_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        mutation_check.main(["--since", "9821f81", "--modules", "megatron_pp/training/batch_ramp.py",
+                             "--sample", "3", "--seed", "1", "--out", str(out)])
+    first, second = snapshots
+    assert (first["partial"], second["partial"]) == ("1 of 3", "2 of 3")
+    assert (second["total"], second["killed"], len(second["survivors"])) == (2, 1, 1)
+    assert second["since"] == "9821f81" and len(second["at"]) == 40 and isinstance(second["changed_unmapped"], list)
