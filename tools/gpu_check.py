@@ -13,7 +13,9 @@ Steps, each a subprocess whose exit code, duration and last lines of output go i
 3. `benchmarks/bench_mfu.py` (LLaMA-3-8B-shaped stack cut to fit one GPU, Hugging Face baseline beside it);
 4. `benchmarks/bench_offload.py` (copy bandwidth, the offload ratio k, full-offload cost, PO-H and GIS-H against
    interleaved 1F1B);
-5. `benchmarks/bench_split_backward.py` (BI and BW against the whole backward, bf16).
+5. `benchmarks/bench_split_backward.py` (BI and BW against the whole backward, bf16);
+6. `benchmarks/dry_run_vs_cuda.py` (a full-width LLaMA-3-8B stage of 4 layers: `torch.cuda.max_memory_allocated`
+   of its second iteration against the dry run of the same flags).
 The report (`docs/results/gpu/<device>-<date>.json`) holds every step, the benchmarks' own JSON and the
 versions; a table goes to stdout. Without CUDA it prints one line saying so and exits 0, so the command
 is safe to put in any job script. Exit code 1 if any step failed.
@@ -77,6 +79,9 @@ def steps(python: str, out_dir: str) -> list[dict]:
     plan.append({"name": "bench_split_backward", "argv": [python, str(ROOT / "benchmarks" / "bench_split_backward.py"),
                                                           "--json", os.path.join(out_dir, "bench_split_backward.json")],
                  "json": os.path.join(out_dir, "bench_split_backward.json")})
+    plan.append({"name": "dry run vs cuda", "argv": [python, str(ROOT / "benchmarks" / "dry_run_vs_cuda.py"), "--json",
+                                                     os.path.join(out_dir, "dry_run_vs_cuda.json")],
+                 "json": os.path.join(out_dir, "dry_run_vs_cuda.json")})
     return plan
 
 
@@ -128,6 +133,9 @@ def summary_line(result: dict) -> str:
     elif result["name"] == "bench_mfu" and isinstance(data, dict):
         detail = (f"MFU {100 * (data['ours']['mfu'] or 0):.1f}%, ours/HF tokens/s {data['ratio_tokens_per_s']['median']:.2f}x, "
                   f"attention {data.get('attention_in_use')}")
+    elif result["name"] == "dry run vs cuda" and isinstance(data, dict):
+        detail = (f"dry run {data['dry_run']['peak_bytes'] / 2**30:.2f} GiB, max_memory_allocated "
+                  f"{data['real_peak_bytes'] / 2**30:.2f} GiB, ratio {data['dry_over_real']:.4f}")
     elif result["name"] == "cuda tests":
         match = re.findall(r"\d+ (?:passed|failed|skipped)", result.get("output_tail", ""))
         detail = ", ".join(match)

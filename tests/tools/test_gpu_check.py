@@ -24,10 +24,10 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(capsys, monkeypatch):
 def test_plan_lists_every_step(capsys):
     assert gpu_check.main(["--plan"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 + len(gpu_check.FAMILIES) + 3
-    assert "pytest" in lines[0] and "bench_mfu.py" in lines[-3] and "bench_offload.py" in lines[-2]
-    assert "bench_split_backward.py" in lines[-1]
-    assert all("--distributed-backend nccl" in line for line in lines[1:-3])
+    assert len(lines) == 1 + len(gpu_check.FAMILIES) + 4
+    assert "pytest" in lines[0] and "bench_mfu.py" in lines[-4] and "bench_offload.py" in lines[-3]
+    assert "bench_split_backward.py" in lines[-2] and "dry_run_vs_cuda.py" in lines[-1]
+    assert all("--distributed-backend nccl" in line for line in lines[1:-4])
 
 
 @pytest.mark.parametrize("schedule,extra", gpu_check.FAMILIES, ids=[name for name, _ in gpu_check.FAMILIES])
