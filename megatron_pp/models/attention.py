@@ -146,6 +146,10 @@ def _sdpa(
     b, s, nq, _ = q.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants [b, heads, s, d]
     rep = nq // k.shape[1]
+    if q.device.type == "meta" and dropout_p == 0.0:
+        mask = None if cu_seqlens is None else document_mask(cu_seqlens.to(q.device), b, s, causal)
+        kv = (k, v) if mask is None else (_expand_kv(k, rep), _expand_kv(v, rep))
+        return _cpu_flash_kernel(q, *kv, causal and mask is None, softmax_scale, mask).transpose(1, 2)
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale, enable_gqa=rep > 1
@@ -158,6 +162,29 @@ def _sdpa(
             q, _expand_kv(k, rep), _expand_kv(v, rep), attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale
         )
     return out.transpose(1, 2)
+
+
+def _cpu_flash_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float],
+    mask: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The kernel SDPA picks for CPU tensors without dropout, called by name, for meta tensors (the dry run's
+    `--dry-run-device meta`). On meta, SDPA's selector finds no fused kernel and runs its math decomposition,
+    which saves an fp32 upcast of q, k, v and the `[b, nq, s, s]` probabilities for backward; this op has meta
+    kernels for its forward and backward and saves what it saves on the CPU (q, k, v as given, the output, an
+    fp32 log-sum-exp of `[b, nq, s]`), so a meta dry run counts the CPU dry run's bytes. A boolean mask becomes
+    an additive one of q's dtype first, as SDPA does before calling this kernel. CPU and CUDA never come here."""
+    if mask is not None and mask.dtype == torch.bool:
+        additive = torch.zeros_like(mask, dtype=q.dtype)
+        mask = additive.masked_fill_(mask.logical_not(), float("-inf"))
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=softmax_scale
+    )
+    return out[0]
 
 
 def _reference(
