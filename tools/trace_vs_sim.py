@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", default="equal,split", help="--emulate: cost sets, comma-separated (equal, split)")
     parser.add_argument("--unit-ms", type=float, default=20.0, help="--emulate: one forward, in milliseconds")
     parser.add_argument("--steps", type=int, default=2, help="--emulate: measured steps after one warm-up step")
+    parser.add_argument("--calibrate-only", action="store_true",
+                        help="--emulate: only the host-cost calibration each grid runs first per --pp (1f1b, m = p, "
+                             "equal costs, at --unit-ms: megatron_pp/benchmarks/emulate_calibrate.py), into --json")
     parser.add_argument("--plan", action="append", default=[], metavar="ARGS",
                         help="--emulate: instead of the schedule grid, emulate the best plan tools/plan.py prints for "
                              "these arguments (one quoted string; repeatable) with the planner's per-action times "
@@ -338,6 +341,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}")
         if args.plan and not args.emulate:
             raise UsageError("--plan needs --emulate")
+        if args.calibrate_only and (not args.emulate or args.plan):
+            raise UsageError("--calibrate-only needs --emulate and no --plan")
         if args.emulate and args.plan:
             cases = plan_cases(args)  # every plan made and its lists built before the first pool starts
         elif args.emulate:

@@ -108,12 +108,13 @@ def critical_path(schedule: Schedule, per_rank: list[dict], latency: float = 0.0
 
 
 def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: list[str], unit_s: float, steps: int,
-             log=print) -> list[dict]:
+             log=print, calibration: dict | None = None) -> list[dict]:
     """Every (schedule, m) of the grid on one pool of `pp` workers, each built once and run under every cost
     set of `kinds`: one warm-up step, then `steps` measured; rows with the median measured step and bubble
     beside the simulated ones. A forward of a rank's whole share of the layers takes `unit_s`: with v chunks
     per rank, one chunk's forward takes unit_s / v (the same model, cut finer), so step times of schedules
-    with different v compare as the same job's."""
+    with different v compare as the same job's. With a `calibration` (`emulate_calibrate`), the simulated
+    step is timed with its host costs and latency, the ideal one without."""
     rows = []
     for m in microbatches:
         for name in names:
@@ -121,20 +122,25 @@ def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: li
             costs = {kind: cost_model(kind, unit_s / schedule.num_chunks) for kind in kinds}
             runs = pool.run(worker_emulate, schedule, list(costs.values()), steps + 1, timeout=900)
             for c, (kind, model) in enumerate(costs.items()):
-                row = compare(schedule, model, [[runs[r][c][k] for r in range(pp)] for k in range(steps + 1)])
+                row = compare(schedule, model, [[runs[r][c][k] for r in range(pp)] for k in range(steps + 1)],
+                              calibration)
                 rows.append({"costs": kind, **row})
                 log(f"{name:>17} p={pp:<2} m={m:<3} {kind}: step {row['measured_step_s']:.3f} s (sim "
-                    f"{row['simulated_step_s']:.3f}, {100 * row['step_error']:+.1f}%)  bubble "
-                    f"{row['measured_bubble']:.3f} (sim {row['simulated_bubble']:.3f})  model "
+                    f"{row['simulated_step_s']:.3f}, {100 * row['step_error']:+.1f}%; ideal {row['ideal_step_s']:.3f})  "
+                    f"bubble {row['measured_bubble']:.3f} (sim {row['simulated_bubble']:.3f}; ideal "
+                    f"{row['ideal_bubble']:.3f})  model "
                     f"{100 * row['model_share']:.1f}%  load {row['load_average'][1]:.1f}")
     return rows
 
 
-def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> dict:
-    """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)`."""
-    import statistics
+def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calibration: dict | None = None) -> dict:
+    """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)` with the
+    calibration's host costs and latency (`simulated_*`, what the targets compare) and without (`ideal_*`, the
+    schedule's own timeline: the same as `simulated_*` without a calibration)."""
+    from megatron_pp.benchmarks.emulate_calibrate import with_host_costs
 
-    sim = simulate(schedule, costs)
+    ideal = simulate(schedule, costs)
+    sim = simulate(schedule, with_host_costs(costs, calibration)) if calibration is not None else ideal
     per_step = [{**measure(step), "path": critical_path(schedule, step)} for step in steps[1:]]
     step = statistics.median(x["step_s"] for x in per_step)
     bubble = statistics.median(x["bubble"] for x in per_step)
@@ -143,6 +149,8 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]]) -> di
            "microbatches": schedule.num_microbatches, "measured_step_s": step, "simulated_step_s": sim.makespan,
            "measured_bubble": bubble, "simulated_bubble": sim.bubble_fraction, "step_error": step / sim.makespan - 1,
            "bubble_error": (bubble - sim.bubble_fraction) / sim.bubble_fraction if sim.bubble_fraction else None,
+           "ideal_step_s": ideal.makespan, "ideal_bubble": ideal.bubble_fraction,
+           "ideal_step_error": step / ideal.makespan - 1,
            "steps_s": [x["step_s"] for x in per_step], "bubbles": [x["bubble"] for x in per_step],
            "model_share": statistics.median(x["model_share"] for x in per_step),
            "action_overrun_ms": 1e3 * statistics.median(x["overrun_s"] for x in per_step),

@@ -106,19 +106,29 @@ def run_emulation(args, plan: EmulationPlan, argv: list[str]) -> int:
 
     from megatron_pp.core.local_world import WorkerPool
 
+    from megatron_pp.benchmarks.emulate_calibrate import CALIBRATION_STEPS, calibrate
+
     unit = args.unit_ms / 1e3
     load_start, started = os.getloadavg(), time.time()
     rows: list[dict] = []
+    calibration: dict[str, dict] = {}
     for pp, counts in plan.grid:
         pool = WorkerPool(pp)
         try:
-            rows += run_grid(pool, pp, plan.names, counts, plan.costs, unit, args.steps,
-                             log=lambda line: print(line, flush=True))
+            block = calibration[str(pp)] = {
+                "command": f"python tools/trace_vs_sim.py --emulate --calibrate-only --pp {pp} --unit-ms {args.unit_ms:g}",
+                **calibrate(pool, pp, unit, CALIBRATION_STEPS)}
+            print(f"calibration p={pp}: host {block['host_compute_ms']:.3f} ms a compute action + "
+                  f"{block['host_post_ms']:.3f} ms a post, latency {block['p2p_latency_ms']:.3f} ms "
+                  f"({block['gaps']} gaps, {block['latency_samples']} waited inputs)", flush=True)
+            if not args.calibrate_only:
+                rows += run_grid(pool, pp, plan.names, counts, plan.costs, unit, args.steps,
+                                 log=lambda line: print(line, flush=True), calibration=block)
             if args.json:  # partial results survive an interrupted grid
-                write_json(args.json, _report(args, argv, rows, load_start, started, torch.__version__))
+                write_json(args.json, _report(args, argv, rows, load_start, started, torch.__version__, calibration))
         finally:
             pool.close()
-    report = _report(args, argv, rows, load_start, started, torch.__version__)
+    report = _report(args, argv, rows, load_start, started, torch.__version__, calibration)
     for r in report["ratios"]:
         print(f"{r['ratio']:>27} p={r['pp']:<2} m={r['microbatches']:<3} {r['costs']}: measured "
               f"{r['measured']:.3f}  simulated {r['simulated']:.3f}")
@@ -166,7 +176,7 @@ def run_plan_emulation(args, cases: list, argv: list[str]) -> int:
     return 0
 
 
-def _report(args, argv, rows, load_start, started, torch_version) -> dict:
+def _report(args, argv, rows, load_start, started, torch_version, calibration) -> dict:
     within = [r for r in rows if r["within_target"]]
     return {
         "command": "python tools/trace_vs_sim.py " + " ".join(argv),
@@ -178,13 +188,19 @@ def _report(args, argv, rows, load_start, started, torch_version) -> dict:
                  "before it on the first stage, a per-token loss after it on the last), 4 tokens, micro-batch 1",
         "receives_ahead": "per incoming link, receives kept posted ahead by the executor (simulate.receives_ahead); "
                           "rows: receives_ahead_max over the schedule's links",
+        "calibration": calibration,
+        "simulated": "rows: simulated_step_s and simulated_bubble simulate the lists with the calibration's host costs "
+                     "(CostModel.host_compute per compute action, host_post per posted send or receive) and "
+                     "p2p_latency for this pp, what the targets compare; ideal_step_s and ideal_bubble without them "
+                     "(host and latency 0: the schedule's own timeline)",
         "critical_path": "rows: critical_path_ms, the measured step taken apart along its critical path "
                          "(emulate_measure.critical_path; medians over the measured steps): cost + overrun + gap + hop + "
                          "wait + lead = step",
         "cost_sets": {"equal": "F = 1, B = 2, BI = BW = 1 unit per rank's share of the layers (1/v unit per chunk)",
                       "split": "F = 1, B = 2, BI and BW from docs/results/split_backward_cpu.json (F = B/2 ours)"},
         "transfers": "OFFLOAD/RELOAD/EVICT/LOAD: CostModel.transfer_time (the schedule's offload_time, default "
-                     "0.25 of the chunk's forward) on the simulator's lanes; p2p: gloo's own, simulator latency 0",
+                     "0.25 of the chunk's forward) on the simulator's lanes; p2p: gloo's own, simulator latency the "
+                     "calibration's (0 in ideal_*)",
         "definitions": "measured step: first compute action's start to the last action's end, over all ranks, on "
                        "the host's monotonic clock; bubble: mean over ranks of (step - busy) / step, busy = compute "
                        "time net of waits; medians over the measured steps; targets |step error| <= 5%, "

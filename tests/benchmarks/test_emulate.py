@@ -195,9 +195,9 @@ def test_emulate_bad_input_is_one_line_before_any_pool(capsys):
     import trace_vs_sim
 
     for argv in (["--costs", "fast"], ["--microbatches", "2q"], ["--schedules", "2bw", "--microbatches", "3"],
-                 ["--steps", "0"], ["--schedules", "po-f"]):
+                 ["--steps", "0"], ["--schedules", "po-f"], ["--calibrate-only", "--plan", "--schedules 1f1b"]):
         assert trace_vs_sim.main(["--emulate", "--pp", "4", *argv]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 5 and all(line.startswith("trace_vs_sim.py: error: ") for line in lines)
+    assert len(lines) == 6 and all(line.startswith("trace_vs_sim.py: error: ") for line in lines)
     assert "--costs" in lines[0] and "--microbatches" in lines[1] and "m >= p" in lines[2]
-    assert "--steps" in lines[3] and "'po-f'" in lines[4]
+    assert "--steps" in lines[3] and "'po-f'" in lines[4] and "--calibrate-only" in lines[5]

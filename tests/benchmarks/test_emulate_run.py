@@ -23,5 +23,11 @@ def test_an_emulated_grid_reports_every_row(tmp_path):
     for row in rows.values():
         # Four microbatches of at least F + B = 3 units of 5 ms on the busiest rank: no step is shorter.
         assert row["measured_step_s"] >= 4 * 3 * 0.005 and row["simulated_step_s"] > 0, row
-    assert report["within_target"].endswith(f"of {len(rows)}")
+    calibration = report["calibration"]["2"]
+    assert calibration["command"] == "python tools/trace_vs_sim.py --emulate --calibrate-only --pp 2 --unit-ms 5"
+    assert calibration["schedule"] == "1f1b" and calibration["microbatches"] == 6 and calibration["gaps"] > 0
+    for row in rows.values():
+        # The calibrated host costs only add time: the ideal simulation is the shorter.
+        assert row["ideal_step_s"] <= row["simulated_step_s"], row
+        assert report["within_target"].endswith(f"of {len(rows)}")
     assert {(r["ratio"], r["costs"]) for r in report["ratios"]} >= {("zb-h1 / 1f1b", "equal"), ("zb-h1 / 1f1b", "split")}

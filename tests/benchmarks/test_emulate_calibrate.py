@@ -1,0 +1,83 @@
+"""The host-cost calibration of the emulated grids (megatron_pp/benchmarks/emulate_calibrate.py) on records made by
+hand: gaps counted against the posts in them, the line through their medians, the latency from a send's post to
+its waiting consumer's input, and the simulator given those costs."""
+import pytest
+
+from megatron_pp.benchmarks.emulate_calibrate import (calibration_block, gap_samples, latency_samples,
+                                                      line_through_medians, with_host_costs)
+from megatron_pp.benchmarks.emulate_measure import compare
+from megatron_pp.schedules.registry import build_schedule
+from megatron_pp.schedules.simulate import CostModel, simulate
+
+
+def test_line_through_medians_worked_example():
+    intercept, slope, table = line_through_medians([(1, 0.2), (1, 0.3), (1, 0.3), (3, 0.7), (3, 0.7)])
+    assert table == {1: [3, 0.3], 3: [2, 0.7]}
+    assert slope == pytest.approx(0.2) and intercept == pytest.approx(0.1)
+
+
+def test_a_preempted_gap_does_not_pull_the_line():
+    samples = [(0, 0.1)] * 5 + [(0, 50.0)] + [(2, 0.5)] * 5
+    intercept, slope, _ = line_through_medians(samples)
+    assert intercept == pytest.approx(0.1) and slope == pytest.approx(0.2)
+
+
+def test_one_post_count_only_gives_its_median_and_no_slope():
+    assert line_through_medians([(2, 0.4), (2, 0.6), (2, 0.5)])[:2] == (0.5, 0.0)
+
+
+def _record(compute, posts):
+    """compute: (label, begin, end, waited); the cost is the time not waited (no overrun)."""
+    return {"compute": [(label, b, e, w, 0.0, e - b - w, 0.0) for label, b, e, w in compute], "posts": posts}
+
+
+# 1F1B at p = 2, m = 1: rank 0 runs F0, sends, receives B's gradient, runs B0; rank 1 receives, runs F0 and B0, sends.
+ONE_MICROBATCH = [
+    _record([("F0.0", 0.0, 1.0, 0.0), ("B0.0", 1.5, 7.1, 3.6)],
+            [("send", 1, 1.1), ("recv", 1, 0.0), ("recv", 1, 1.2)]),
+    _record([("F0.0", 0.2, 2.5, 1.3), ("B0.0", 2.6, 4.6, 0.0)],
+            [("recv", 0, 0.0), ("send", 0, 4.7)]),
+]
+
+
+def test_gaps_count_the_posts_between_two_compute_actions():
+    assert gap_samples(ONE_MICROBATCH) == [(2, pytest.approx(0.5)), (0, pytest.approx(0.1))]
+
+
+def test_latency_is_a_sends_post_done_to_its_waiting_consumers_input():
+    """Rank 1's F0 was called at 0.2 and had its input at 0.2 + 1.3 = 1.5: the send was posted at 1.1, done at
+    1.1 + q (q = 0.05), latency 0.35. Rank 0's B0, called at 1.5, had its input at 1.5 + 3.6 = 5.1, its send
+    posted at 4.7: 0.35 again. A consumer that did not wait (its input was in) gives no sample."""
+    schedule = build_schedule("1f1b", 2, 1)
+    assert latency_samples(schedule, ONE_MICROBATCH, 0.05) == [pytest.approx(0.35), pytest.approx(0.35)]
+    in_already = [ONE_MICROBATCH[0], _record([("F0.0", 1.6, 2.5, 0.0), ("B0.0", 2.6, 4.6, 0.0)],
+                                             ONE_MICROBATCH[1]["posts"])]
+    assert latency_samples(schedule, in_already, 0.05) == [pytest.approx(0.35)]
+
+
+def test_the_block_and_the_cost_model_it_gives():
+    schedule = build_schedule("1f1b", 2, 1)
+    block = calibration_block(schedule, [ONE_MICROBATCH], 0.02, [1.0, 2.0])
+    assert block["gaps"] == 2 and block["latency_samples"] == 2 and block["load_average"] == [1.0, 2.0]
+    costs = with_host_costs(CostModel(forward=2.0), block)
+    assert costs.forward == 2.0
+    assert costs.host_compute == pytest.approx(block["host_compute_ms"] / 1e3)
+    assert costs.host_post == pytest.approx(block["host_post_ms"] / 1e3)
+    assert costs.p2p_latency == pytest.approx(block["p2p_latency_ms"] / 1e3)
+    assert with_host_costs(costs, None) is costs
+
+
+def test_rows_simulate_with_the_calibration_and_keep_the_ideal_beside_it():
+    """`compare` times the lists twice: with the calibrated host costs (the targets' comparison) and without."""
+    schedule = build_schedule("1f1b", 2, 1)
+    steps = [ONE_MICROBATCH, ONE_MICROBATCH]
+    for record, rank_events in zip(ONE_MICROBATCH, ([0.0, 7.1], [0.0, 4.7])):
+        record.update(started=0.0, events=[("x", *rank_events)], copies=[], load=1.0)
+    calibration = {"host_compute_ms": 100.0, "host_post_ms": 10.0, "p2p_latency_ms": 200.0}
+    row = compare(schedule, CostModel(), steps, calibration)
+    assert row["ideal_step_s"] == simulate(schedule).makespan == 6.0
+    with_host = simulate(schedule, CostModel(host_compute=0.1, host_post=0.01, p2p_latency=0.2))
+    assert row["simulated_step_s"] == with_host.makespan > row["ideal_step_s"]
+    assert row["simulated_bubble"] == with_host.bubble_fraction
+    assert row["step_error"] == pytest.approx(row["measured_step_s"] / with_host.makespan - 1)
+    assert compare(schedule, CostModel(), steps)["simulated_step_s"] == row["ideal_step_s"]
