@@ -34,3 +34,17 @@ def demo_corpus_tokens(data: dict) -> str:
              f"in {num(s['documents'], 0)}" + (" documents" if i == 0 else "") for i, (name, s) in enumerate(used)]
     return (f"{num(data['tokens'], 0)} tokens, EOD included; the demo's `--split {data['split']}` "
             + " and ".join(parts))
+
+
+# Host load averages that timing JSONs record, rendered where a page names the machine a run was timed on
+# (docs/benchmarks.md); a load average no JSON holds is marked in the page as read off the host.
+
+def load_at_start(data: dict) -> str:
+    """One reading, taken when the run started: 'load average 14.4 at the start'."""
+    return f"load average {num(data['load_average_at_start'], 1)} at the start"
+
+
+def load_start_to_end(data: dict) -> str:
+    """Readings at the start and the end of the run: 'load average 2.4 at the start, 2.6 at the end'."""
+    return (f"load average {num(data['load_average_start'], 1)} at the start, "
+            f"{num(data['load_average_end'], 1)} at the end")
