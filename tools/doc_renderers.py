@@ -738,3 +738,5 @@ import doc_renderers_data as data_docs  # noqa: E402
 RENDERERS["demo-corpus-mb"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_megabytes)
 RENDERERS["demo-corpus-size"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_size)
 RENDERERS["demo-corpus-tokens"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_tokens)
+RENDERERS["split-backward-load"] = ("docs/results/split_backward_cpu.json", data_docs.load_at_start)
+RENDERERS["schedule-build-load"] = ("docs/results/schedule_build_constant_factors.json", data_docs.load_start_to_end)
