@@ -5,7 +5,7 @@ that stands between the page's markers; nothing is computed but unit changes.
 """
 from __future__ import annotations
 
-from doc_format import num
+from doc_format import num, pct
 
 
 def _megabytes(n_bytes: int) -> str:
@@ -48,3 +48,36 @@ def load_start_to_end(data: dict) -> str:
     """Readings at the start and the end of the run: 'load average 2.4 at the start, 2.6 at the end'."""
     return (f"load average {num(data['load_average_start'], 1)} at the start, "
             f"{num(data['load_average_end'], 1)} at the end")
+
+
+# docs/planner.md, "Against the dry run": the prose figures of tools/validate_planner.py's full-size comparison
+# (docs/results/planner_vs_dry_run_full_size.json; the table above them renders the same rows).
+
+def _rank_row(data: dict, preset: str, configuration_start: str, last: bool) -> dict:
+    """The first or last pipeline rank's row of the one result whose preset and configuration match."""
+    results = [r for r in data["results"] if r["preset"] == preset and r["configuration"].startswith(configuration_start)]
+    if len(results) != 1:
+        raise ValueError(f"{len(results)} results for {preset} {configuration_start!r}, expected one")
+    ranks = sorted(results[0]["ranks"], key=lambda r: r["pipeline_rank"])
+    return ranks[-1] if last else ranks[0]
+
+
+def planner_backward_working_set(data: dict) -> str:
+    """The planner's backward working set on LLaMA-3-70B 1F1B, first and last stage: ('0.32 GiB', '0.39 GiB')
+    joined as the sentence has them."""
+    first, last = (_rank_row(data, "llama3-70b", "1f1b tp8 pp8 dp1 b=1 recompute=none", end) for end in (False, True))
+    return (f"{num(first['predicted_backward_bytes'] / 2**30)} GiB on the first stage, "
+            f"{num(last['predicted_backward_bytes'] / 2**30)} GiB on the last")
+
+
+def planner_high_on_last_rank(data: dict) -> str:
+    """How far above the dry run the planner is on the last rank of 1F1B with full recomputation and of
+    looped-bfs: '+0.51% and +0.45%'."""
+    rows = (_rank_row(data, "llama3-70b", "1f1b tp8 pp8 dp1 b=1 recompute=full", True),
+            _rank_row(data, "llama3-70b", "looped-bfs", True))
+    return " and ".join(pct(r["predicted_over_measured"] - 1, 2, sign=True) for r in rows)
+
+
+def planner_po_h_last_rank(data: dict) -> str:
+    """PO-H's last rank, planner over dry run less one: '+0.11%'."""
+    return pct(_rank_row(data, "llama3-70b", "po-h", True)["predicted_over_measured"] - 1, 2, sign=True)
