@@ -740,3 +740,7 @@ RENDERERS["demo-corpus-size"] = ("docs/results/demo_corpus.json", data_docs.demo
 RENDERERS["demo-corpus-tokens"] = ("docs/results/demo_corpus.json", data_docs.demo_corpus_tokens)
 RENDERERS["split-backward-load"] = ("docs/results/split_backward_cpu.json", data_docs.load_at_start)
 RENDERERS["schedule-build-load"] = ("docs/results/schedule_build_constant_factors.json", data_docs.load_start_to_end)
+RENDERERS["planner-backward-working-set"] = ("docs/results/planner_vs_dry_run_full_size.json",
+                                             data_docs.planner_backward_working_set)
+RENDERERS["planner-high-on-last-rank"] = ("docs/results/planner_vs_dry_run_full_size.json", data_docs.planner_high_on_last_rank)
+RENDERERS["planner-po-h-last-rank"] = ("docs/results/planner_vs_dry_run_full_size.json", data_docs.planner_po_h_last_rank)
