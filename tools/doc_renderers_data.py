@@ -81,3 +81,8 @@ def planner_high_on_last_rank(data: dict) -> str:
 def planner_po_h_last_rank(data: dict) -> str:
     """PO-H's last rank, planner over dry run less one: '+0.11%'."""
     return pct(_rank_row(data, "llama3-70b", "po-h", True)["predicted_over_measured"] - 1, 2, sign=True)
+
+
+def plan_best_mfu(data: dict) -> str:
+    """docs/planner.md: the MFU of the best-ranked row of the committed plan ('65% in its best row')."""
+    return f"{pct(data['ranked'][0]['mfu'], 0)} in its best row"
