@@ -744,3 +744,4 @@ RENDERERS["planner-backward-working-set"] = ("docs/results/planner_vs_dry_run_fu
                                              data_docs.planner_backward_working_set)
 RENDERERS["planner-high-on-last-rank"] = ("docs/results/planner_vs_dry_run_full_size.json", data_docs.planner_high_on_last_rank)
 RENDERERS["planner-po-h-last-rank"] = ("docs/results/planner_vs_dry_run_full_size.json", data_docs.planner_po_h_last_rank)
+RENDERERS["plan-best-mfu"] = ("docs/results/plan_gpt3_13b_32xa100.json", data_docs.plan_best_mfu)
