@@ -86,3 +86,123 @@ def planner_po_h_last_rank(data: dict) -> str:
 def plan_best_mfu(data: dict) -> str:
     """docs/planner.md: the MFU of the best-ranked row of the committed plan ('65% in its best row')."""
     return f"{pct(data['ranked'][0]['mfu'], 0)} in its best row"
+
+
+# docs/reliability.md, "The interaction matrix": the arrays' outcomes and deviations (dev/interaction_matrix.py
+# --json) and the step-1 probe of one case (dev/step1_update_probe.py --json).
+
+def sci(value: float, places: int = 1) -> str:
+    """'1.8e-7' for 1.831e-07 (no zero-padded exponent)."""
+    mantissa, exponent = f"{value:.{places}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _low_precision(dev: dict) -> str:
+    return " and ".join(f"{p} within {sci(dev[p]['loss'])} / {sci(dev[p]['grad_norm'])}" for p in ("bf16", "fp16"))
+
+
+def matrix_default_run(data: dict) -> str:
+    """The default array's time and largest deviations from each case's reference."""
+    dev = data["largest_relative_deviation_from_reference"]
+    update = ("equal to AdamW's of the run's gradients bit for bit" if dev["fp32"]["update"] == 0
+              else f"within {sci(dev['fp32']['update'])} of AdamW's of the run's gradients")
+    seconds = sum(r["wall_s"] for r in data["results"] if r.get("wall_s") is not None)
+    return (f"{num(seconds, 1)} s of case time in all, pool start-ups included; fp32 within "
+            f"{sci(dev['fp32']['loss'])} of the loss, {sci(dev['fp32']['grad_norm'])} of the gradient norm and "
+            f"{sci(dev['fp32']['gradient'])} on every gradient tensor, every update element {update}; "
+            f"{_low_precision(dev)} of their 1F1B runs")
+
+
+def matrix_outcomes(data: dict) -> str:
+    """'122 cases, 119 run, 3 refused, none failed'."""
+    failed = "none failed" if data["failed"] == 0 else f"{data['failed']} failed"
+    return f"{data['cases']} cases, {data['ran']} run, {data['refused']} refused, {failed}"
+
+
+def matrix_larger_draw(data: dict) -> str:
+    """A larger draw's outcomes and deviations, in the words of the page."""
+    dev = data["largest_relative_deviation_from_reference"]
+    return (f"{matrix_outcomes(data)}; fp32 within {sci(dev['fp32']['loss'])} / {sci(dev['fp32']['grad_norm'])} / "
+            f"{sci(dev['fp32']['gradient'])} (loss, gradient norm, gradient tensors); {_low_precision(dev)} of "
+            f"their 1F1B runs (loss / gradient norm)")
+
+
+def _test_tolerances() -> dict:
+    """LOW_PRECISION_TOL of tests/interaction.py, read from its source (its one home; not imported: the
+    tests' module loads torch and the worker pool)."""
+    import ast
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "interaction.py")
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "LOW_PRECISION_TOL" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError("LOW_PRECISION_TOL not found in tests/interaction.py")
+
+
+def matrix_low_precision_margin(data: dict) -> str:
+    """The default array's bf16/fp16 deviations and how far under the tests' bounds they sit (the smaller of
+    bound / deviation over loss and norm, both precisions)."""
+    dev, tol = data["largest_relative_deviation_from_reference"], _test_tolerances()
+    margin = min(tol[p][k] / dev[p][k] for p in ("bf16", "fp16") for k in ("loss", "grad_norm"))
+    return (f"{sci(dev['bf16']['loss'])} / {sci(dev['bf16']['grad_norm'])} (bf16, unit roundoff 3.9e-3) and "
+            f"{sci(dev['fp16']['loss'])} / {sci(dev['fp16']['grad_norm'])} (fp16, 4.9e-4), so the bounds are "
+            f"{num(margin, 1)}× or more the rounding seen")
+
+
+def _probe(data: dict) -> dict:
+    return data["variants"]["as is"]
+
+
+def _elements(data: dict) -> list:
+    """The probe's listed elements (older probe JSONs hold the list as its Python repr)."""
+    import ast
+    elements = _probe(data)["elements"]
+    return ast.literal_eval(elements) if isinstance(elements, str) else elements
+
+
+def probe_norm_miss(data: dict) -> str:
+    """Step 2's gradient-norm difference against the reference that went on from its own step 1: '3.7e-5'."""
+    return sci(_probe(data)["step2_from_the_reference_step1"]["grad_norm_relative"])
+
+
+def probe_elements(data: dict) -> str:
+    """'27 weights differ by more than 1e-4·lr, by up to 3.9e-5'."""
+    probe, elements = _probe(data), _elements(data)
+    return (f"{probe['elements_over_threshold']} weights differ by more than {sci(probe['threshold_times_lr'], 0)}·lr, "
+            f"by up to {sci(max(abs(e['weight_difference']) for e in elements))}")
+
+
+def probe_gradient_range(data: dict) -> str:
+    """The listed elements' step-1 gradients: '6.6e-11 and 1.7e-7'."""
+    g = [abs(e["step1_gradient"]) for e in _elements(data)]
+    return f"{sci(min(g))} and {sci(max(g))}"
+
+
+def probe_gradient_difference(data: dict) -> str:
+    """The two runs' step-1 gradient difference at the listed elements: '2.0e-12 to 3.1e-10'."""
+    d = [abs(e["gradient_difference"]) for e in _elements(data)]
+    return f"{sci(min(d))} to {sci(max(d))}"
+
+
+def probe_model_error(data: dict) -> str:
+    """How far the model's predicted weight difference is from the measured one, the worst element: '0.51%'."""
+    worst = max(abs(e["model_weight_difference"] / e["weight_difference"] - 1) for e in _elements(data))
+    return pct(worst, 2)
+
+
+def probe_same_without(data: dict) -> str:
+    """Whether the dropped flags change the miss: 'the same 3.7e-5, bit for bit' or each variant's value."""
+    values = {name: v["step2_from_the_reference_step1"]["grad_norm_relative"] for name, v in data["variants"].items()}
+    if len(set(values.values())) == 1:
+        return f"the same {sci(next(iter(values.values())))}, bit for bit"
+    return "; ".join(f"{name}: {sci(v)}" for name, v in values.items())
+
+
+def probe_own_weights(data: dict) -> str:
+    """Step 2 from the run's own step-1 weights: '5.3e-10'."""
+    return sci(_probe(data)["step2_from_the_run_step1"]["grad_norm_relative"])
+
+
+def matrix_fp32_norm(data: dict) -> str:
+    """The largest fp32 gradient-norm deviation over the array: '3.9e-8'."""
+    return sci(data["largest_relative_deviation_from_reference"]["fp32"]["grad_norm"])
