@@ -107,3 +107,19 @@ def test_no_package_module_over_600_lines():
                 if count > 600:
                     long[os.path.relpath(path, ROOT)] = count
     assert long == {}
+
+
+def test_no_package_function_over_80_lines():
+    """Issue 35's rule for the package: a function that needs more than 80 lines is split (decorators and the
+    signature count; nested functions count within their parent as well as on their own)."""
+    long = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "megatron_pp")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                        if node.end_lineno - first + 1 > 80:
+                            long[f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name}"] = node.end_lineno - first + 1
+    assert long == {}
