@@ -166,3 +166,15 @@ def test_overlap_param_gather_needs_the_distributed_optimizer():
     assert errors == ["--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM): only its "
                       "parameter all-gather can be overlapped"]
     assert validate_args(build_parser().parse_args(argv + ["--use-distributed-optimizer"]), world_size=2) == []
+
+
+def test_a_run_without_checkpoints_or_evaluation_ends_with_nothing_in_flight():
+    """The last update's gathers are finished when training ends even where no final checkpoint or evaluation
+    waits for them (no --save, no evaluation): the model holds the updated weights and no collective is left
+    pending at teardown. The cases above always end with a save and an evaluation, which wait anyway."""
+    argv = _argv("gpt-tiny", LAYERS, 1, GBS, ["--use-distributed-optimizer", "--eval-iters", "0", "--overlap-param-gather"]
+                 + CASES["1f1b"][0])
+    for result in run_distributed(4, _run, argv, BUCKET_BYTES):
+        assert result["connected"] and not any(kind in ("eval", "save") for kind, _, _ in result["events"])
+        assert sum(kind == "step" for kind, _, _ in result["events"]) == ITERS
+        assert result["left"] == [], "the last update's gathers are still in flight after training"
