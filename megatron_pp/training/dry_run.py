@@ -44,6 +44,7 @@ from megatron_pp.core.storage import storage_key
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
 from megatron_pp.training.dry_run_bpipe import Prepare, acceptor_prepare
+from megatron_pp.training.dry_run_fast import FastFakeDispatch
 from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
 from megatron_pp.training.pipeline import build_job_pipeline
@@ -154,15 +155,16 @@ class MemoryTracker(_LiveBytes, TorchDispatchMode):
         return out
 
 
-class TrackingFakeMode(_LiveBytes, FakeTensorMode):
+class TrackingFakeMode(_LiveBytes, FastFakeDispatch):
     """`FakeTensorMode` that is also the memory tracker and the communication watch: one Python dispatch
     layer per operator instead of three (a second mode stacked on the fake one cost ~50 us per operator, as
     much as a cached fake dispatch itself; benchmarks/dry_run_profile.py). Only the operators the job calls
-    are counted, not those the fake mode runs inside itself (decompositions), as a mode stacked above it saw."""
+    are counted, not those the fake mode runs inside itself (decompositions), as a mode stacked above it saw.
+    `fast` (default on): the cheaper cache key and bypass of `dry_run_fast`, same outputs."""
 
-    def __init__(self, watch: Optional[CommWatch] = None) -> None:
+    def __init__(self, watch: Optional[CommWatch] = None, fast: bool = True) -> None:
         # Host tensors the job keeps for real (RNG states, cloned for recomputation) may meet fake ones.
-        FakeTensorMode.__init__(self, allow_non_fake_inputs=True)
+        FastFakeDispatch.__init__(self, fast=fast, allow_non_fake_inputs=True)
         self._start(watch)
         self._inside = False
 
@@ -172,7 +174,7 @@ class TrackingFakeMode(_LiveBytes, FakeTensorMode):
             # the fake mode's own handler answers it, without its dispatch machinery.
             return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if self._inside:  # an operator the fake mode runs for one of the job's
-            return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs or {})
+            return self.fake_dispatch(func, types, args, kwargs or {})
         if self.watch is not None:
             self.watch.observe(func, args)
         self._inside = True
@@ -181,7 +183,7 @@ class TrackingFakeMode(_LiveBytes, FakeTensorMode):
         # PipeOffload run, 8 MiB of stashes stayed live and the peak was 2.8x the real run's).
         cached, self.cache_enabled = self.cache_enabled, self.cache_enabled and func not in _HOLDS_A_STORAGE
         try:
-            out = FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs or {})
+            out = self.fake_dispatch(func, types, args, kwargs or {})
         finally:
             self._inside, self.cache_enabled = False, cached
         self._seen(out)
@@ -315,7 +317,7 @@ def run_rank(args: argparse.Namespace, rank: int, device: torch.device, steps: i
         prepare = acceptor_prepare(args, rank, lambda partner, stop: run_rank(args, partner, device, 1, stop))
     with fake_world(rank, world, device.type):
         watch = CommWatch(device=device if device.type == "meta" else None)
-        mode = TrackingFakeMode(watch)
+        mode = TrackingFakeMode(watch, fast=getattr(args, "dry_run_fast_dispatch", True))
         with mode:
             state = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                         device=device)
