@@ -206,3 +206,21 @@ def probe_own_weights(data: dict) -> str:
 def matrix_fp32_norm(data: dict) -> str:
     """The largest fp32 gradient-norm deviation over the array: '3.9e-8'."""
     return sci(data["largest_relative_deviation_from_reference"]["fp32"]["grad_norm"])
+
+
+# docs/schedules.md, BPipe at run time: the p = 8, m = 8 stash table (tools/plot_schedule.py --compare 1f1b,bpipe).
+
+def bpipe_exec_table(runs: list) -> str:
+    """Per rank: 1F1B's peak stashes (simulated; the test measures the same), BPipe's simulated peaks, and what
+    tests/schedules/test_bpipe_exec.py asserts of the measured run: the simulated count on a rank that hosts no
+    guest, at most its own 1F1B stashes plus the guests hosted at once on an acceptor."""
+    plain, bpipe = (next(r for r in runs if r["schedule"] == name) for name in ("1f1b", "bpipe"))
+    p = bpipe["num_ranks"]
+    hosts = {p - 1 - rank for rank, parked in enumerate(bpipe["peak_parked"]) if parked}
+    measured = [f"≤ {plain['peak_stash'][rank]} + hosted" if rank in hosts else str(bpipe["peak_stash"][rank])
+                for rank in range(p)]
+    rows = [["`1f1b` peak stashes (simulated = measured)", *map(str, plain["peak_stash"])],
+            ["`bpipe` peak stashes, simulated", *map(str, bpipe["peak_stash"])],
+            ["`bpipe` measured (what the test asserts)", *measured]]
+    return "\n".join(["| rank | " + " | ".join(map(str, range(p))) + " |", "|---|" + "---|" * p]
+                     + ["| " + " | ".join(row) + " |" for row in rows])
