@@ -758,3 +758,4 @@ RENDERERS["probe-gradient-difference"] = (_PROBE, data_docs.probe_gradient_diffe
 RENDERERS["probe-model-error"] = (_PROBE, data_docs.probe_model_error)
 RENDERERS["probe-same-without"] = (_PROBE, data_docs.probe_same_without)
 RENDERERS["probe-own-weights"] = (_PROBE, data_docs.probe_own_weights)
+RENDERERS["bpipe-exec-p8-m8"] = ("docs/results/bpipe_sim_p8_m8.json", data_docs.bpipe_exec_table)
