@@ -56,7 +56,7 @@ def test_breadth_first_order_per_group(p, m, v, group):
     assert s.options["breadth_first_microbatches"] == b
 
 
-@pytest.mark.parametrize("p, v", [(2, 1), (2, 2), (3, 4), (4, 1), (4, 2), (4, 4), (8, 2)])
+@pytest.mark.parametrize("p, v", [(2, 1), (2, 2), (3, 4), (4, 1), (4, 2), (4, 4), (4, 8), (8, 2)])
 @pytest.mark.parametrize("extra", [0, 1, 4])
 def test_simulated_bubble_is_p_minus_1_over_vm_plus_p_minus_1(p, v, extra):
     """One breadth-first group: the bubble is the fill and drain only, F = 1, B = 2 per chunk, any m >= p."""
