@@ -13,9 +13,11 @@ sleep as much as in the grid, and the host is loaded alike), `steps` measured st
   receives posted in that gap (`Emulator.posts`). host_post is the least-squares slope of the per-count
   median gaps (weighted by how many gaps have that count), host_compute its intercept (ours: a line through
   medians, so a preempted gap does not pull it).
-- Latency: per received input whose consumer was called before the data was in (it waited), the time from
-  its send's post being done (the sender's record, plus host_post) to the consumer's input being in; the
-  median. That is the simulator's `p2p_latency`: data in at the send's post plus it.
+- Latency: per received input whose consumer was called before its send was posted (so it was blocked in
+  the wait when the data came), the time from the send's post being done (the sender's record, plus
+  host_post) to the consumer's input being in; the median. That is the simulator's `p2p_latency`: data
+  in at the send's post plus it. (A gloo receive reports itself complete only once waited for, so every
+  consumer "waits" some microseconds: a consumer called after the send would measure its own lateness.)
 
 Nothing here reads a grid row's step time. Late wake-ups (an action outlasting its cost by the scheduler's
 latency, median `overrun_ms`) are the emulation's sleeps, not the executor's work: recorded, not charged.
@@ -64,7 +66,8 @@ def line_through_medians(samples: list[tuple[int, float]]) -> tuple[float, float
 
 
 def latency_samples(schedule: Schedule, per_rank: list[dict], host_post: float) -> list[float]:
-    """Per received input whose consumer waited for it: its send's post done to the consumer's input in."""
+    """Per received input whose consumer was waiting before its send was posted: the send's post done to the
+    consumer's input in."""
     sends: dict = {}
     for rank, record in enumerate(per_rank):
         for kind, peer, when in record["posts"]:
@@ -75,7 +78,7 @@ def latency_samples(schedule: Schedule, per_rank: list[dict], host_post: float) 
         inputs = consumed_messages(schedule, rank)
         for label, begin, _, waited, *_ in record["compute"]:
             for peer, k in inputs.get(label, ()):
-                if waited > 0 and k < len(sends.get((peer, rank), ())):
+                if k < len(sends.get((peer, rank), ())) and begin <= sends[peer, rank][k]:
                     out.append(begin + waited - (sends[peer, rank][k] + host_post))
     return out
 

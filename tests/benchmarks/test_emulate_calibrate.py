@@ -47,10 +47,11 @@ def test_gaps_count_the_posts_between_two_compute_actions():
 def test_latency_is_a_sends_post_done_to_its_waiting_consumers_input():
     """Rank 1's F0 was called at 0.2 and had its input at 0.2 + 1.3 = 1.5: the send was posted at 1.1, done at
     1.1 + q (q = 0.05), latency 0.35. Rank 0's B0, called at 1.5, had its input at 1.5 + 3.6 = 5.1, its send
-    posted at 4.7: 0.35 again. A consumer that did not wait (its input was in) gives no sample."""
+    posted at 4.7: 0.35 again. A consumer called after its send was posted gives no sample, even though it
+    "waited" (gloo's receive completes only in the wait: some microseconds, or its own lateness)."""
     schedule = build_schedule("1f1b", 2, 1)
     assert latency_samples(schedule, ONE_MICROBATCH, 0.05) == [pytest.approx(0.35), pytest.approx(0.35)]
-    in_already = [ONE_MICROBATCH[0], _record([("F0.0", 1.6, 2.5, 0.0), ("B0.0", 2.6, 4.6, 0.0)],
+    in_already = [ONE_MICROBATCH[0], _record([("F0.0", 1.6, 2.5, 1e-5), ("B0.0", 2.6, 4.6, 0.0)],
                                              ONE_MICROBATCH[1]["posts"])]
     assert latency_samples(schedule, in_already, 0.05) == [pytest.approx(0.35)]
 
