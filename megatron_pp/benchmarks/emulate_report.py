@@ -87,7 +87,8 @@ def paper_ratio(schedule: str, p: int, m: int) -> float:
 
 
 def speed_ratios(rows: list[dict]) -> list[dict]:
-    """Measured and simulated step-time ratios of each claim's pair at equal (pp, m, costs)."""
+    """Measured and simulated step-time ratios of each claim's pair at equal (pp, m, costs): simulated with the
+    calibrated host costs (`simulated`) and without (`ideal`, the schedules' own)."""
     index = {(r["pp"], r["microbatches"], r["costs"], r["schedule"]): r for r in rows}
     out = []
     for (pp, m, kind, name), row in sorted(index.items()):
@@ -97,6 +98,7 @@ def speed_ratios(rows: list[dict]) -> list[dict]:
                 out.append({"pp": pp, "microbatches": m, "costs": kind, "ratio": f"{schedule} / {baseline}",
                             "measured": row["measured_step_s"] / base["measured_step_s"],
                             "simulated": row["simulated_step_s"] / base["simulated_step_s"],
+                            "ideal": row["ideal_step_s"] / base["ideal_step_s"],
                             "papers_formula": paper_ratio(schedule, pp, m) if kind == "equal" else None})
     return out
 
@@ -131,7 +133,7 @@ def run_emulation(args, plan: EmulationPlan, argv: list[str]) -> int:
     report = _report(args, argv, rows, load_start, started, torch.__version__, calibration)
     for r in report["ratios"]:
         print(f"{r['ratio']:>27} p={r['pp']:<2} m={r['microbatches']:<3} {r['costs']}: measured "
-              f"{r['measured']:.3f}  simulated {r['simulated']:.3f}")
+              f"{r['measured']:.3f}  simulated {r['simulated']:.3f}  ideal {r['ideal']:.3f}")
     if args.json:
         write_json(args.json, report)
     return 0
