@@ -418,6 +418,10 @@ def default_jobs(ranks: int) -> int:
 
 
 def _rank_in_worker(args: argparse.Namespace, rank: int) -> RankReport:
+    # A spawned worker starts with the registry bare: load the job's plugins (parse_args did, in the parent).
+    from megatron_pp.schedules.plugins import load_plugins
+
+    load_plugins(extra=getattr(args, "schedule_plugin", None) or ())
     return run_rank(args, rank, torch.device(args.dry_run_device))
 
 
