@@ -166,6 +166,8 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calib
                                 for part in per_step[0]["path"]},
            "load_average": [min(loads), max(loads)],
            "raised_priority": all(rank.get("prioritised", False) for s in steps for rank in s),
+           "autogroup_nice": sorted({rank.get("autogroup_nice") for s in steps for rank in s}, key=str),
+           "realtime": all(rank.get("realtime", False) for s in steps for rank in s),
            "timer_slack_1ns": all(rank.get("timer_slack_1ns", False) for s in steps for rank in s)}
     row["within_target"] = abs(row["step_error"]) <= 0.05 and (
         row["bubble_error"] is None or abs(row["bubble_error"]) <= 0.15)
