@@ -204,6 +204,14 @@ class PeerStore(OffloadStore):
         self.copied_bytes += sum(e.nbytes for e in record.parked)
         self.poll()
 
+    def _free_parked(self, record) -> None:
+        """The sends have completed: drop the storages, and the transfer with them. The works and the byte
+        views they were posted with reference the storages too, so a ticket kept until the LOAD would keep
+        the parked stash's memory on this rank while the partner holds a copy (as it did: the store counted it
+        gone, the device still held it)."""
+        super()._free_parked(record)
+        record.ticket = None
+
     def load(self, key: Hashable) -> None:
         """Bring stash `key` back: allocate its storages (resident from now) and post the receives."""
         record = self._record(key, None, "LOAD")

@@ -60,17 +60,23 @@ def test_every_rank_equals_the_real_gloo_run_to_the_byte(runs):
     assert [report.guest_peak_bytes > 0 for report in fake] == [False, False, False, True]
 
 
-def test_what_bpipe_adds_to_the_total_peak_is_the_real_runs_to_the_byte(runs):
-    """The total peak (every live storage) of a real gloo run at pp 4 is above the dry run's by the same bytes
-    under 1F1B and BPipe (a gap of the pipeline's own transfers on gloo, not BPipe's), so what BPipe adds over
-    1F1B on each rank is equal in both, to the byte: the evictor's K + 1-th stash around its eviction, the
-    acceptor's guest."""
+def test_parked_stashes_leave_the_evictor_and_what_bpipe_adds_elsewhere_is_the_real_runs(runs):
+    """The total peak (every live storage). The evictor's parked stashes really leave it: its total peak is below
+    1F1B's, where 1F1B holds the same p stashes at p = 4 (the finished eviction's transfer once kept every parked
+    storage alive until its LOAD, so rank 0 peaked above 1F1B although its store counted the stashes gone). On
+    gloo an eviction holds its stash until the partner's receive has taken it, at the partner's pace, so the real
+    evictor holds at most one stash more than the dry run, where a transfer is complete once posted. Every other
+    rank: what BPipe adds over 1F1B equals the real run's to the byte (the real total is above the dry run's by
+    the same bytes under both schedules: a gap of the pipeline's own transfers on gloo), the acceptor's guest."""
     (bp_fake, _, bp_real), (one_fake, problems, one_real) = runs["bpipe"], runs["1f1b"]
     assert problems == []
     added_fake = [b.peak_bytes - o.peak_bytes for b, o in zip(bp_fake, one_fake)]
     added_real = [b["peak_bytes"] - o["peak_bytes"] for b, o in zip(bp_real, one_real)]
-    assert added_fake == added_real
-    assert added_fake[0] > 0 and added_fake[3] > 0  # the evictor and the acceptor pay; ranks 1, 2 do not move
+    assert added_fake[1:] == added_real[1:]
+    assert added_fake[1:3] == [0, 0] and added_fake[3] > 0  # ranks 1, 2 do not move; the acceptor pays
+    one_stash = one_fake[0].stash_peak_bytes // 4
+    assert added_fake[0] < 0
+    assert added_fake[0] <= added_real[0] <= added_fake[0] + one_stash
 
 
 def test_the_evictor_holds_k_plus_1_and_the_acceptor_a_guest_of_the_evictors_size(runs):

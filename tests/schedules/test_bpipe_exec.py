@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import pytest
 import torch
 
+from megatron_pp.core.storage import storage_key
 from megatron_pp.data.mock import MockData
 from megatron_pp.models.presets import get_preset
 from megatron_pp.schedules.bpipe import default_max_resident
@@ -62,14 +64,21 @@ def _park_and_restore(ctx, delay_s: float) -> dict:
             losses.append(_forward(x, weight))
     one = store.live_bytes // 2
     out: dict = {"one": one, "before": (store.resident_count, store.live_bytes)}
+    # The tanh output's storage: referenced by nobody but the stash's saved tensors once parked.
+    private = storage_key(xs[0])
+    outputs = [weakref.ref(e.storage) for k, e in store._records[0, 0].storages.items() if k != private]
     store.evict((0, 0), private=[xs[0]])
     time.sleep(delay_s / 2)
     store.poll()
     # Not freed before the partner has taken the data: gloo's send completes only against a posted receive.
-    out["in_flight"] = (store.state((0, 0)), store.resident_count, store.live_bytes, xs[0].untyped_storage().nbytes())
-    store._records[0, 0].ticket.finish()
+    out["in_flight"] = (store.state((0, 0)), store.resident_count, store.live_bytes, xs[0].untyped_storage().nbytes(),
+                        sum(ref() is not None for ref in outputs))
+    ticket = store._records[0, 0].ticket
+    ticket.finish()
+    del ticket
     store.poll()
-    out["parked"] = (store.state((0, 0)), store.resident_count, store.live_bytes, xs[0].untyped_storage().nbytes())
+    out["parked"] = (store.state((0, 0)), store.resident_count, store.live_bytes, xs[0].untyped_storage().nbytes(),
+                     sum(ref() is not None for ref in outputs))
     store.load((0, 0))
     out["loading"] = (store.state((0, 0)), store.resident_count, store.live_bytes)
     grads = [torch.autograd.grad(loss, (x, weight)) for loss, x in zip(losses, xs)]
@@ -85,9 +94,10 @@ def test_stash_goes_to_the_partner_and_comes_back_exactly():
     one = evictor["one"]  # x and the tanh output: 64 x 64 float32 each; the weight is excluded
     assert one == 2 * 64 * 64 * 4
     assert evictor["before"] == (2, 2 * one)
-    assert evictor["in_flight"] == (StashState.OFFLOADING, 2, 2 * one, 64 * 64 * 4)
-    # Parked: both storages gone (the private input emptied in place), the stash no longer resident.
-    assert evictor["parked"] == (StashState.OFFLOADED, 1, one, 0)
+    assert evictor["in_flight"] == (StashState.OFFLOADING, 2, 2 * one, 64 * 64 * 4, 1)
+    # Parked: both storages gone (the private input emptied in place, the output's storage freed: the finished
+    # transfer no longer references it), the stash no longer resident.
+    assert evictor["parked"] == (StashState.OFFLOADED, 1, one, 0, 0)
     assert evictor["loading"] == (StashState.RELOADING, 2, 2 * one)
     assert evictor["exact"]  # views rebuilt on their loaded base: bit-identical gradients
     assert evictor["after"] == (0, 0, one)
