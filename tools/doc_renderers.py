@@ -551,7 +551,6 @@ RENDERERS: dict = {
                        trends_of("breadth-first", lambda trend: not trend.startswith("breadth-first"))),
     "stash-trends-farthest": ("docs/results/reproduce_quick.json", farthest_stash_trend),
     "mutation-headline": ("docs/results/mutation.json", mutation_table),
-    "mutation-since": ("docs/results/mutation_since_9821f81.json", mutation_table),
     "soak": ("docs/results/soak_short_cpu.json", soak_table),
     "planner-validation": ("docs/results/planner_validation.json", planner_validation_table),
     "pipeoffload-sim": ("docs/results/pipeoffload_sim_p4_m8.json", offload_table),
@@ -759,3 +758,10 @@ RENDERERS["probe-model-error"] = (_PROBE, data_docs.probe_model_error)
 RENDERERS["probe-same-without"] = (_PROBE, data_docs.probe_same_without)
 RENDERERS["probe-own-weights"] = (_PROBE, data_docs.probe_own_weights)
 RENDERERS["bpipe-exec-p8-m8"] = ("docs/results/bpipe_sim_p8_m8.json", data_docs.bpipe_exec_table)
+
+
+# docs/reliability.md, each round's changes: the current --since mutation sample beside the previous one -------
+import doc_renderers_mutation as mutation  # noqa: E402
+
+RENDERERS["mutation-since"] = (("docs/results/mutation_since_9821f81_seed46.json",
+                                "docs/results/mutation_since_9821f81_seed45.json"), mutation.since_table)
