@@ -14,13 +14,23 @@ a wrong layout would be a send/receive mismatch in the dry run's agreement check
 Worked example: gpt-tiny at pp 4, m 8, `--pipeline-schedule bpipe` (K = 3): rank 3 hosts rank 0's stashes
 from microbatch 3 on; its dry run first runs rank 0 up to `EVICT3.0`, learns chunk 0's layout there, then
 runs rank 3 with it.
+
+BPipe's bound is about what it moves, a stash's activations; `BatchApart` has a rank's store count the step's
+batch tensors (which a stash may save: a learned position embedding keeps its position ids for its backward)
+apart, for `tools/bpipe_dry_run.py`. The step holds every microbatch's batch on the device from its start to
+its end (the trainer loads the step's microbatches up front, and the global token count reads them all
+first), under any schedule, so no schedule can move or free them: the store counts a saved batch tensor in
+every live stash that saved it, and a parked stash leaves it home (`PeerStore.evict`'s `keep`).
 """
 from __future__ import annotations
 
 import argparse
 from typing import Callable, Hashable, Optional
 
+import torch
+
 from megatron_pp.core.parallel_state import RankLayout
+from megatron_pp.core.storage import storage_key
 from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore, parking_pairs
 from megatron_pp.training.arguments import model_config_from_args
@@ -93,3 +103,48 @@ def acceptor_prepare(args: argparse.Namespace, rank: int,
                                f"{type(store).__name__}")
         store.known_layouts.update(layouts)
     return give_layouts
+
+
+class BatchApart:
+    """`Prepare` that has a rank's activation store leave the step's batch tensors out of its stashes (as it leaves
+    out parameters), and notes apart the batch storages that some stash saved (`saved_bytes`, every microbatch's).
+
+    Each chunk-forward is handed its microbatch's batch (`chunk(x, batch)`), so a forward pre-hook excludes those
+    tensors before anything is saved; the keys stay valid because the batch lives as long as the run. Compose
+    with an acceptor's `Prepare` through `both`."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, int] = {}
+        """Storage key -> bytes of each batch storage a stash saved."""
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    def __call__(self, pipe) -> None:
+        store = pipe.executor.store
+        batch: set[int] = set()
+
+        def exclude_batch(module, args) -> None:
+            tensors = [t for t in args[1].values() if isinstance(t, torch.Tensor)] if len(args) > 1 else []
+            store.exclude(tensors)
+            batch.update(storage_key(t) for t in tensors)
+        for chunk in pipe.executor.chunks:
+            chunk.register_forward_pre_hook(exclude_batch)
+        pack = store.pack
+
+        def pack_noting(t: torch.Tensor, stash, pack=pack):
+            key = storage_key(t)
+            if key in batch:
+                self.saved[key] = t.untyped_storage().nbytes()
+            return pack(t, stash)
+        store.pack = pack_noting  # the store's saved-tensor hooks call `self.pack`
+
+
+def both(*prepares: Optional[Prepare]) -> Prepare:
+    """One `Prepare` running each of `prepares` (None skipped) in order."""
+    def run(pipe) -> None:
+        for prepare in prepares:
+            if prepare is not None:
+                prepare(pipe)
+    return run
