@@ -28,7 +28,9 @@ machine; `--sample N --seed S` runs a reproducible random subset.
 COMMIT HEAD` marks as new (with `--worktree`, the working tree's). A moved file counts only its edited
 lines; code moved between two files counts as new in the file it went to. So a round's changes are held to the standard of the
 whole. The report then records the commit and the changed modules the map has no tests for
-(`changed_unmapped`), which no mutant can measure.
+(`changed_unmapped`), which no mutant can measure. Every report records what its mutants were drawn from
+(`population`: mutants and modules, as `--list` counts them), and is rewritten after each mutant, marked
+`partial` until the run ends.
 """
 from __future__ import annotations
 
@@ -609,6 +611,8 @@ def _run(args, parser, notes: dict, modules: Sequence[str], argv, tree: str, hea
         if unmapped:
             print(f"changed since {args.since} with no covering tests in the map: {', '.join(unmapped)}")
         return 0
+    # What a sample is drawn from (the numbers `--list` prints), kept in the report.
+    population = {"population": {"mutants": len(mutants), "modules": len({m.path for m in mutants})}}
     if args.only is not None:
         by_id = {m.id: m for m in mutants}
         missing = [i for i in args.only if i not in by_id]
@@ -620,8 +624,8 @@ def _run(args, parser, notes: dict, modules: Sequence[str], argv, tree: str, hea
                          key=lambda m: (m.path, m.line, m.col, m.operator))
     command = "python dev/mutation_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     # What was mutated: a partial report (a run stopped early) says it as the whole one does.
-    since = {} if args.since is None else {"since": args.since, "at": head or "working tree",
-                                           "changed_unmapped": unmapped}
+    since = population if args.since is None else {**population, "since": args.since, "at": head or "working tree",
+                                                    "changed_unmapped": unmapped}
 
     def partial(results: list[dict]) -> None:
         # Written after every mutant, so a run stopped early still leaves what it measured (marked partial).

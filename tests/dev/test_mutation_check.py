@@ -165,10 +165,11 @@ def test_the_committed_tree_leaves_out_what_is_not_committed(tmp_path):
         mutation_check.committed_tree(str(repo), str(tmp_path / "out2"), "no-such-commit")
 
 
-def test_a_run_stopped_early_leaves_a_partial_report_that_says_what_it_mutated(tmp_path, monkeypatch):
+def test_a_run_stopped_early_leaves_a_partial_report_that_says_what_it_mutated(tmp_path, monkeypatch, capsys):
     """The report is rewritten after every mutant, so a `--since` run stopped early (a session's time limit)
     still says which commit it mutated and since when, as the finished one does, marked `partial`."""
     import json
+    import re
 
     snapshots = []
 
@@ -190,3 +191,7 @@ def test_a_run_stopped_early_leaves_a_partial_report_that_says_what_it_mutated(t
     assert (first["partial"], second["partial"]) == ("1 of 3", "2 of 3")
     assert (second["total"], second["killed"], len(second["survivors"])) == (2, 1, 1)
     assert second["since"] == "9821f81" and len(second["at"]) == 40 and isinstance(second["changed_unmapped"], list)
+    # And what the sample was drawn from: `--list`'s count of the module's mutants on the changed lines.
+    listed = mutation_check.main(["--since", "9821f81", "--modules", "megatron_pp/training/batch_ramp.py", "--list"])
+    total = int(re.search(r"^\s*(\d+)\s+total$", capsys.readouterr().out, re.MULTILINE).group(1))
+    assert listed == 0 and second["population"] == {"mutants": total, "modules": 1}
