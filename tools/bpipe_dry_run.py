@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,9 +148,10 @@ def measure(pp: int, m: int, num_layers: int | None, dry_run_schedules: tuple[st
         if done and schedule in done and done[schedule]["command"] == "python pretrain_gpt.py " + " ".join(argv):
             result["runs"][schedule] = done[schedule]
         elif schedule in dry_run_schedules:
-            began = time.process_time()
+            began, load = time.process_time(), os.getloadavg()
             result["runs"][schedule] = run_schedule(argv)
-            result["runs"][schedule]["cpu_seconds"] = time.process_time() - began
+            result["runs"][schedule].update(cpu_seconds=time.process_time() - began, load_average_before=list(load),
+                                            load_average_after=list(os.getloadavg()))
         else:
             result["runs"][schedule] = {"command": "python pretrain_gpt.py " + " ".join(argv), "ranks": []}
         on_progress(result)
