@@ -44,7 +44,7 @@ from megatron_pp.core.storage import storage_key
 from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
 from megatron_pp.training.dry_run_bpipe import Prepare, acceptor_prepare
-from megatron_pp.training.dry_run_fast import FastFakeDispatch
+from megatron_pp.training.dry_run_fast import FastFakeDispatch, supported as dry_run_fast_supported
 from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
 from megatron_pp.training.pipeline import build_job_pipeline
@@ -161,6 +161,13 @@ class TrackingFakeMode(_LiveBytes, FastFakeDispatch):
     much as a cached fake dispatch itself; benchmarks/dry_run_profile.py). Only the operators the job calls
     are counted, not those the fake mode runs inside itself (decompositions), as a mode stacked above it saw.
     `fast` (default on): the cheaper cache key and bypass of `dry_run_fast`, same outputs."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Torch wraps a dispatch mode's `__torch_dispatch__` in a dynamo-disable frame (two more Python calls
+        # per operator) unless the mode opts out here; the dry run compiles nothing (`--apply-rope-fusion`
+        # is the training loop's, not the dry run's), so on the torch of `dry_run_fast` it opts out.
+        return not dry_run_fast_supported()
 
     def __init__(self, watch: Optional[CommWatch] = None, fast: bool = True) -> None:
         # Host tensors the job keeps for real (RNG states, cloned for recomputation) may meet fake ones.

@@ -65,6 +65,16 @@ def tensor_key(t: FakeTensor) -> tuple:
             t.requires_grad, t.is_quantized, t.is_conj(), t.is_neg(), t.is_inference())
 
 
+def _fresh_state_of(template: FakeTensor, mode: FakeTensorMode) -> dict[str, Any]:
+    """The attributes torch's constructor gave `template`, which must be None but for the mode and device."""
+    state = dict(vars(template))
+    odd = {k for k, v in state.items() if v is not None and not (k == "fake_mode" and v is mode)
+           and not (k == "_fake_device" and v == template.fake_device)}
+    if odd:
+        raise RuntimeError(f"dry run: torch's FakeTensor carries {sorted(odd)}; the fast fake dispatch cannot copy them")
+    return state
+
+
 class FastFakeDispatch(FakeTensorMode):
     """A `FakeTensorMode` with the cheaper key and the bypass above; `fast=False` (or another torch) runs
     torch's own dispatch unchanged, which the tests hold it to."""
@@ -75,6 +85,7 @@ class FastFakeDispatch(FakeTensorMode):
         if fast and not self.fast:
             _warn_unsupported()
         self._never_cached: dict[Any, bool] = {}
+        self._fresh_state: dict[torch.device, dict[str, Any]] = {}
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:  # noqa: D401 - torch's name
         if not self.fast or type(args) is dict:
@@ -94,6 +105,40 @@ class FastFakeDispatch(FakeTensorMode):
                 self._prep_args_for_hash(result, arg, state, id_hashed_objects)
             else:  # torch's code for this one argument (it raises the bypass where torch would)
                 super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        """A cache hit's output: a fresh meta tensor of the entry's metadata (on the input's storage for a
+        view), wrapped as torch's constructor wraps it. Torch's own code for everything but the plain case
+        (in-place, constant, conjugate/negative bits, symbolic shapes, debug tracing, export)."""
+        meta = entry.metadata
+        if (not self.fast or meta is None or entry.inplace_idx is not None or self.shape_env is not None
+                or meta.layout is not _STRIDED or meta.is_conj or meta.is_neg or _ft.FakeTensorConfig.debug
+                or torch.compiler.is_exporting()):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        with _ft.in_kernel_invocation_manager(self):
+            elem = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, layout=meta.layout, device="meta",
+                                       requires_grad=meta.requires_grad)
+            if isinstance(func, torch._ops.OpOverload) and func.is_view:
+                elem.set_(args[entry.view_idx].untyped_storage(), meta.storage_offset, meta.shape, meta.stride)
+        return self.wrap_fake(elem, meta.device)
+
+    def wrap_fake(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """`FakeTensor(self, elem, device)` without its argument handling: the subclass made as torch makes
+        it, then the attributes of a fake tensor torch built for this mode and device (all fresh: None, the
+        mode, the device), copied. The template is checked to hold nothing else."""
+        state = self._fresh_state.get(device)
+        if state is None:
+            with _ft.in_kernel_invocation_manager(self):
+                blank = torch.empty(0, device="meta")
+            state = self._fresh_state[device] = _fresh_state_of(FakeTensor(self, blank, device), self)
+        out = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                          device_for_backend_keys=state["_fake_device"])
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(out)
+        out.__dict__.update(state)
+        return out
 
     def never_cached(self, func, args, kwargs) -> bool:
         """True when torch would not cache `func` whatever its arguments (decided once per operator)."""
