@@ -88,10 +88,7 @@ class DeferredUpdateSteps:
                 first = trainer.progress.consumed_samples + (b - batch) * args.global_batch_size
                 self._loaded[b] = data.microbatches(data.train, first, state.dp_rank, state.device)
         microbatches = {b * m + i: mb for b, mbs in self._loaded.items() for i, mb in enumerate(mbs)}
-        count = global_token_count(self._loaded[batch], state)
-        # 2BW's rows are written a batch later, from their own gathered metrics: the count is read here
-        # (its own synchronisation; the flushing schedules read it with the loss, `step_metrics`).
-        tokens = read_values(count, "tokens")[0]
+        tokens = self.read_token_count(global_token_count(self._loaded[batch], state))
         multiplier = self.optimizer.begin_batch(batch)
         self.optimizer.reducer.start_step(m)
         segment = self.plan.segment(CallKind.of(self._fresh, flush), state.pp_rank, batch)
@@ -108,12 +105,21 @@ class DeferredUpdateSteps:
         trainer.progress.consumed_samples += args.global_batch_size
         return [self._row(b) for b in sorted(self.optimizer.outcomes)]
 
+    def read_token_count(self, count: torch.Tensor) -> float:
+        """The global batch's loss-bearing tokens, read on the host: the call's loss scale and its row divide
+        by it. 2BW's rows are written a batch later, from their own gathered metrics, so the count is read
+        here (its own synchronisation; the flushing schedules read it with the loss, `step_metrics`). The dry
+        run's driver (`training.dry_run_twobw`) overrides it, since a fake count reads as 0."""
+        return read_values(count, "tokens")[0]
+
     def _start_metrics(self, result: StepResult, exit_conditions: ExitConditions) -> PendingCollective:
         state = self.state
         pp = state.pp_size
         values = torch.zeros(3 + 2 * pp, dtype=torch.float64)
         if result.loss_sum is not None and state.tp_rank == 0:
-            values[0] = float(result.loss_sum)  # tensor-parallel ranks hold the same loss; dp ranks add up
+            # Tensor-parallel ranks hold the same loss; dp ranks add up. Copied, not read: it is read with the
+            # gathered metrics (`_row`).
+            values[0] = result.loss_sum.detach()
         values[1:3] = torch.tensor(exit_conditions.local_flags(), dtype=torch.float64)
         if state.tp_rank == 0 and state.dp_rank == 0:
             values[3 + state.pp_rank] = float(result.peak_stash_bytes)
@@ -128,7 +134,7 @@ class DeferredUpdateSteps:
         args, state = trainer.args, self.state
         outcome, lr = self.optimizer.outcomes.pop(batch)
         call = self._calls.pop(batch)
-        values = call.metrics.wait().tolist()
+        values = read_values(call.metrics.wait(), "loss")
         pp = state.pp_size
         self._stop_flags = (self._stop_flags[0] or values[1] > 0, self._stop_flags[1] or values[2] > 0)
         tflops = trainer.flops.model / call.time_s / state.world_size / 1e12

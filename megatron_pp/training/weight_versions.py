@@ -55,6 +55,7 @@ from megatron_pp.core.grads import GradientReducer, counts_once_in_model, square
 from megatron_pp.core.parallel_state import ParallelState
 from megatron_pp.core.storage import same_memory
 from megatron_pp.core import comm
+from megatron_pp.core.host_read import read_values
 from megatron_pp.core.tensor_parallel.utils import PendingCollective, start_all_reduce_
 from megatron_pp.schedules.execute import ExecutorHooks
 from megatron_pp.schedules.ir import Action, Op, Schedule
@@ -295,7 +296,7 @@ class DelayedUpdateOptimizer:
             raise RuntimeError(f"STEP@{version} for batch {batch}, which never ran on this rank")
         self.finish_batch(batch)  # at a flush the STEP comes right after the batch's last backward
         record = self._batches.pop(batch)
-        found, sumsq = record.stats.wait().tolist()
+        found, sumsq = read_values(record.stats.wait(), "found-inf")
         for pending in record.embedding:
             pending.wait()
         found_inf = found > 0
