@@ -47,7 +47,7 @@ from megatron_pp.training.dry_run_bpipe import Prepare, acceptor_prepare
 from megatron_pp.training.dry_run_fast import FastFakeDispatch, supported as dry_run_fast_supported
 from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
-from megatron_pp.training.pipeline import build_job_pipeline
+from megatron_pp.training.pipeline import build_job_pipeline, connect_param_gather
 from megatron_pp.training.step import step_metrics, train_step
 from megatron_pp.training.step_data import build_config_and_data
 from megatron_pp.training.weight_versions import uses_weight_versions
@@ -366,6 +366,7 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
         prepare(pipe)
     optimizer = build_optimizer(pipe.chunks, state, _optimizer_config(args, state.device))
     connect_optimizer(pipe.executor, optimizer)
+    connect_param_gather(args, pipe, optimizer)  # --overlap-param-gather: gathers held until each chunk's forward
     to_job = (lambda t: mode.from_tensor(t).to(state.device)) if mode is not None else (lambda t: t.to(state.device))
     batches = [{k: to_job(v) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in batches_real]
     del batches_real
