@@ -45,12 +45,12 @@ from megatron_pp.schedules.peer_store import AcceptorStore, PeerStore
 from megatron_pp.training.arguments import build_job_schedule, num_chunks, virtual_stages_given
 from megatron_pp.training.dry_run_bpipe import Prepare, acceptor_prepare
 from megatron_pp.training.dry_run_fast import FastFakeDispatch, supported as dry_run_fast_supported
+from megatron_pp.training.dry_run_twobw import TwoBWCalls
 from megatron_pp.training.layered import connect_optimizer
 from megatron_pp.training.optimizer import OptimizerConfig, build_optimizer
 from megatron_pp.training.pipeline import build_job_pipeline, connect_param_gather
 from megatron_pp.training.step import step_metrics, train_step
 from megatron_pp.training.step_data import build_config_and_data
-from megatron_pp.training.weight_versions import uses_weight_versions
 
 
 _DEVICE_OF = torch.ops.prim.device.default
@@ -358,13 +358,13 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
         chunks = num_chunks(args, shape) if virtual_stages_given(args) or not args.pipeline_schedule_file else None
         schedule = build_job_schedule(args, state.dp_size, chunks)
         batches_real = data.microbatches(data.train, 0, state.dp_rank, torch.device("cpu"))
-    if uses_weight_versions(schedule):
-        raise DryRunError(f"--dry-run: --pipeline-schedule {schedule.name} updates weights inside its action lists "
-                          "(two weight versions); the dry run does not drive that loop yet")
     pipe = build_job_pipeline(args, config, state, schedule)
     if prepare is not None:
         prepare(pipe)
-    optimizer = build_optimizer(pipe.chunks, state, _optimizer_config(args, state.device))
+    adam = _optimizer_config(args, state.device)
+    # 2BW: one optimizer state over two weight versions, calls that span steps (dry_run_twobw)
+    two_bw = TwoBWCalls(args, pipe, adam, data, batches_real) if pipe.versions is not None else None
+    optimizer = two_bw.optimizer if two_bw is not None else build_optimizer(pipe.chunks, state, adam)
     connect_optimizer(pipe.executor, optimizer)
     connect_param_gather(args, pipe, optimizer)  # --overlap-param-gather: gathers held until each chunk's forward
     to_job = (lambda t: mode.from_tensor(t).to(state.device)) if mode is not None else (lambda t: t.to(state.device))
@@ -376,17 +376,20 @@ def _run(args, state: ParallelState, mode: Optional[FakeTensorMode], tracker: _L
     at_peak = [0, 0]  # the store's own stashes and the partner's hosted ones when the peak was reached
     tracker.on_peak = lambda: at_peak.__setitem__(slice(None), [pipe.executor.store.live_bytes, tracker.guest_bytes])
     step_seconds = []
-    for step[0] in range(1, steps + 1):
+    for step[0] in range(1, steps + 1) if two_bw is None else ():
         began = time.process_time()
         result, tokens = train_step(pipe, batches, optimizer)
         tracker.where = f"step {step[0]}, optimizer"
         optimizer.step(args.lr)
         step_metrics(pipe, result, tokens)  # the logged loss: the step's other read
         step_seconds.append(time.process_time() - began)
-    model_params = list(unique_parameters(pipe.chunks))
+    if two_bw is not None:
+        step_seconds = two_bw.run(batches, step, steps)
+    weights, more_grads, more_opt = two_bw.extra_state() if two_bw is not None else ([], [], [])
+    model_params = list(unique_parameters(pipe.chunks)) + weights
     params = _bytes_of(model_params)
-    grads = _bytes_of(b.grad for b in optimizer.reducer.buckets)
-    opt = _bytes_of(_not_in(_optimizer_tensors(optimizer), model_params))
+    grads = _bytes_of([b.grad for b in optimizer.reducer.buckets] + more_grads)
+    opt = _bytes_of(_not_in(_optimizer_tensors(optimizer) + more_opt, model_params))
     persistent = params + grads + opt
     return RankReport(
         rank=state.rank, pipeline_rank=state.pp_rank, tensor_rank=state.tp_rank, data_rank=state.dp_rank,

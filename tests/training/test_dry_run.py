@@ -163,11 +163,16 @@ def test_gpipe_holds_four_times_the_stashes_of_1f1b_on_rank_0_at_m_8():
     assert gpipe[0] == 4 * one_f_one_b[0]
 
 
-def test_a_schedule_the_dry_run_cannot_drive_is_one_line_and_exit_2(capsys):
-    args = parse_args(TINY + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--dry-run", "2"])
-    assert dry_run.main(args) == 2
+def test_the_command_drives_2bw_on_every_pipeline_rank(capsys):
+    """2BW updates weights inside its action lists, over calls that span steps; the dry run once refused it
+    (exit 2). Now the command runs it through the job's step driver (tests/training/test_dry_run_twobw.py holds
+    the figures to real runs): exit 0, both pipeline ranks in the table, their calls matched."""
+    args = parse_args(TINY + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--dry-run", "2",
+                              "--dry-run-jobs", "1"])
+    assert dry_run.main(args) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: --dry-run: --pipeline-schedule 2bw"), lines
+    assert "schedule 2bw, 2 ranks simulated" in lines[0], lines
+    assert [ln.split()[0] for ln in lines[2:]] == ["0", "1"] and not any("disagreement" in ln for ln in lines), lines
 
 
 def test_bpipe_with_evictions_runs_in_worker_processes_and_agrees():
