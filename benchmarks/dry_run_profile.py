@@ -5,6 +5,13 @@ itself tracks and watches: `training.dry_run.TrackingFakeMode`), and the rest of
     python benchmarks/dry_run_profile.py --out docs/results/dry_run_profile.json -- \
         --model-preset llama3-70b --mock-data --bf16 ... --dry-run 64 --dry-run-ranks 0
     python benchmarks/dry_run_profile.py --from-profile prof.out --argv "..." --out ...   (an existing profile)
+    python benchmarks/dry_run_profile.py --against REV --pairs 3 --ranks 0,56 --out ... -- <the flags>
+
+`--against REV`: paired A/B of the dry run's speed, the code of git revision REV (exported with `git archive`
+into a temporary folder) against the working tree, alternating (REV, tree, REV, tree, ...) so drift in the
+host's load falls on both, each run a fresh process (FakeTensorMode's dispatch cache is process-wide). Timed:
+each rank's CPU seconds (`RankReport.seconds`: fake world, model, optimizer, both steps) and its steps'. Every
+byte field of the rank's row and every recorded call must be equal between the two; the JSON says so per rank.
 
 Shares are of cProfile's clock (wall time with the profiler's own overhead): on a loaded machine compare
 the shares, not the seconds.
@@ -14,9 +21,24 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
+import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = """
+import dataclasses, json, sys, torch
+from megatron_pp.training import dry_run
+from megatron_pp.training.arguments import parse_args
+args = parse_args(json.loads(sys.argv[1]))
+report = dry_run.run_rank(args, int(sys.argv[2]), torch.device(args.dry_run_device))
+print(json.dumps({"row": report.row(), "comm": [dataclasses.asdict(e) for e in report.comm]}))
+"""
+TIMES = ("seconds", "step_seconds")
 
 PARTS = {
     "import": ("train.py", 1, "<module>"),
@@ -47,13 +69,65 @@ def summary(profile: str, argv: str) -> dict:
             "note": "cProfile clock on a shared, loaded 2-core machine: shares, not seconds"}
 
 
+def _one(tree: Path, flags: list[str], rank: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(flags), str(rank)], cwd=tree, env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def paired(rev: str, flags: list[str], ranks: list[int], pairs: int) -> dict:
+    """REV against the working tree, alternating; per rank the CPU seconds of each run and whether every
+    byte field and recorded call is equal."""
+    load_before = list(os.getloadavg())
+    out = {"baseline_rev": subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True,
+                                          check=True).stdout.strip(),
+           "current_rev": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                         check=True).stdout.strip(),
+           "command": "python pretrain_llama.py " + " ".join(flags), "pairs": pairs, "ranks": {}}
+    with tempfile.TemporaryDirectory() as base:
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+        for rank in ranks:
+            runs = {"baseline": [], "current": []}
+            for _ in range(pairs):
+                runs["baseline"].append(_one(Path(base), flags, rank))
+                runs["current"].append(_one(ROOT, flags, rank))
+            drop = lambda row: {k: v for k, v in row.items() if k not in TIMES}  # noqa: E731
+            first = runs["baseline"][0]
+            secs = {k: [r["row"]["seconds"] for r in v] for k, v in runs.items()}
+            out["ranks"][str(rank)] = {
+                "baseline_seconds": secs["baseline"], "current_seconds": secs["current"],
+                "baseline_step_seconds": [r["row"]["step_seconds"] for r in runs["baseline"]],
+                "current_step_seconds": [r["row"]["step_seconds"] for r in runs["current"]],
+                "current_over_baseline": [c / b for b, c in zip(secs["baseline"], secs["current"])],
+                "median_current_over_baseline": statistics.median(c / b for b, c in zip(secs["baseline"],
+                                                                                        secs["current"])),
+                "bytes_equal": all(drop(r["row"]) == drop(first["row"]) for v in runs.values() for r in v),
+                "calls_equal": all(r["comm"] == first["comm"] for v in runs.values() for r in v),
+                "calls": len(first["comm"]), "row": drop(first["row"])}
+    out["load_average_before"], out["load_average_after"] = load_before, list(os.getloadavg())
+    out["note"] = "CPU seconds are process time on a shared 2-core host: compare within a pair"
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--from-profile", default=None)
     parser.add_argument("--argv", default=None, help="the dry run's flags (with --from-profile)")
+    parser.add_argument("--against", default=None, help="git revision to time the working tree against")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--ranks", default="0", help="global ranks to time (with --against)")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.against:
+        flags = [a for a in args.rest if a != "--"]
+        result = paired(args.against, flags, [int(r) for r in args.ranks.split(",")], args.pairs)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(json.dumps({r: {k: v[k] for k in ("median_current_over_baseline", "bytes_equal", "calls_equal")}
+                          for r, v in result["ranks"].items()}, indent=1))
+        return 0
     if args.from_profile:
         result = summary(args.from_profile, args.argv or "")
     else:
