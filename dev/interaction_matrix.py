@@ -88,10 +88,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         shutdown_pools()
     counts = {k: sum(r["outcome"] == k for r in report) for k in ("ran", "refused", "failed")}
-    # fp32 also: the largest relative error of a gradient tensor and of an update element (tests/interaction.py)
+    # Also the largest relative error of an update element (every precision) and, in fp32, of a gradient tensor
+    # (tests/interaction.py)
     largest = {p: {k: max((r["deviation"][k] for r in report if r["deviation"] and k in r["deviation"]
                            and r["case"].startswith(p)), default=None)
-                   for k in ("loss", "grad_norm") + (("gradient", "update") if p == "fp32" else ())}
+                   for k in ("loss", "grad_norm") + (("gradient", "update") if p == "fp32" else ("update",))}
                for p in ("fp32", "bf16", "fp16")}
     summary = {"seed": seed, "arrays": args.arrays, "candidates": args.candidates, "cases": len(report),
                "skipped_pairs": interaction.skipped_pairs(), **counts,

@@ -5,7 +5,8 @@ one line naming a flag the case gave; a run (`pretrain`, two steps, on tests/dis
 metrics that every rank agrees on, every parameter tensor changed by each applied step, and equal its reference:
 fp32 one process computing each step's gradients from the same weights (`reference_step`, the loop of
 tests/training/test_exactness_edges.py with every gradient tensor kept) and AdamW's update of the run's own
-gradients (`adamw_steps`) under the house rule, bf16/fp16 the same precision's 1F1B run within LOW_PRECISION_TOL.
+gradients (`adamw_steps`) under the house rule, bf16/fp16 the same precision's 1F1B run within LOW_PRECISION_TOL
+and each step's weights AdamW's update of the run's own fp32 gradients, rounded to the model's dtype.
 tests/training/test_interaction_matrix.py runs the default array; dev/interaction_matrix.py larger draws.
 """
 from __future__ import annotations
@@ -31,14 +32,23 @@ UPDATE_TOL, UPDATE_SCALE = 1e-6, LR
 # 7.2e-6 / 1.8e-3. The bounds are 3.6x or more those, and far below what a lost or doubled microbatch does: it moves the gradient by about 1/m
 # (m = p + 1 <= 5, so >= 20%), as the issue's bf16 zb-h1 fault would (it stops the run, also caught).
 LOW_PRECISION_TOL = {"bf16": {"loss": 2e-3, "grad_norm": 3e-2}, "fp16": {"loss": 5e-4, "grad_norm": 1e-2}}
+# A bf16 / fp16 step's update: the model's weights after each step against AdamW's update of the fp32 main weights
+# from the run's own fp32 gradients (`adamw_steps`, from the model's weights before step 1, which the main weights
+# copy), rounded to the model's dtype, element by element: |w - expected| within twice the dtype's unit roundoff
+# x (|expected| + lr): one rounding to the model's dtype (at most u x |expected|) and the fp32 kernels' own
+# rounding (UPDATE_TOL) beside it, so a correct run sits at or under half the bound. Adam's first step moves every
+# element with a gradient by about lr, so an element's update lost, doubled or taken from another element misses
+# by about lr / (|w| + lr) in this measure: ~0.3 for the tiny models' weights, 0.0099 for a norm scale at 1, against
+# 0.0078 in bf16 (weight decay, 1e-4 of a weight, is below bf16's resolution: the fp32 cases hold it).
+LOW_PRECISION_UPDATE_TOL = {"bf16": 2 * 2.0 ** -8, "fp16": 2 * 2.0 ** -11}
 
 # The run -------------------------------------------------------------------------------------------------------
 
 
 def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     """Worker side: `pretrain` for the job's steps; per step (loss, grad norm, skipped, lr), the parameters that
-    did not change in it, and (fp32) every parameter's full reduced, unscaled gradient before the update and every
-    parameter whole before step 1 and after each step."""
+    did not change in it, and (`capture_grads`) every parameter's full reduced, unscaled fp32 gradient before the
+    update and every parameter whole (in the model's dtype) before step 1 and after each step."""
     import torch
 
     from megatron_pp.training import train
@@ -48,7 +58,7 @@ def run_job(ctx, argv: Sequence[str], capture_grads: bool) -> dict:
     state = ctx.parallel_state(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     seen: dict = {}
     grads: list[dict] = []
-    weights: list[dict] = []  # fp32: every parameter whole, before step 1 and after each step
+    weights: list[dict] = []  # captured: every parameter whole, before step 1 and after each step
     unchanged: list[list[str]] = []
     build_pipeline, build_optimizer = train.build_job_pipeline, train.build_optimizer
 
@@ -301,19 +311,44 @@ def exact_compare(job: Job, ref: list, seen: Optional[dict] = None) -> Callable[
     return compare
 
 
-def tolerance_compare(job: Job, ref_rows: list) -> Callable[[list[dict]], None]:
-    """bf16 / fp16: loss and gradient norm of both steps within LOW_PRECISION_TOL of the 1F1B run."""
+def tolerance_compare(job: Job, ref_rows: list, seen: Optional[dict] = None) -> Callable[[list[dict]], None]:
+    """bf16 / fp16: loss and gradient norm of both steps within LOW_PRECISION_TOL of the 1F1B run, and (but 2BW,
+    whose rows come after its deferred update) each step's update AdamW's of the run's own gradients within
+    LOW_PRECISION_UPDATE_TOL. `seen` gets the largest relative update-element error ("update")."""
     tol = LOW_PRECISION_TOL[job.settings["precision"]]
+    seen = {} if seen is None else seen
 
     def compare(results: list[dict]) -> None:
-        steps = 1 if job.settings["schedule"] == "2bw" else 2
-        for step in range(steps):
-            (loss, norm), (ref_loss, ref_norm) = results[0]["rows"][step][:2], ref_rows[step][:2]
+        rows = results[0]["rows"]
+        two_bw = job.settings["schedule"] == "2bw"
+        for step in range(1 if two_bw else 2):
+            (loss, norm), (ref_loss, ref_norm) = rows[step][:2], ref_rows[step][:2]
             assert abs(loss - ref_loss) <= tol["loss"] * abs(ref_loss), \
                 f"{job.name}: step {step + 1} loss {loss} vs 1F1B's {ref_loss}"
             assert abs(norm - ref_norm) <= tol["grad_norm"] * abs(ref_norm), \
                 f"{job.name}: step {step + 1} grad norm {norm} vs 1F1B's {ref_norm}"
+        if not two_bw:
+            low_precision_update_check(job, results, seen)
     return compare
+
+
+def low_precision_update_check(job: Job, results: list[dict], seen: dict) -> None:
+    """Each step's weights (in the model's dtype) are AdamW's update of the fp32 main weights by the run's own
+    fp32 gradients, rounded, element by element within LOW_PRECISION_UPDATE_TOL (see there)."""
+    grads = [merged(results, "grads", k) for k in range(2)]
+    weights = [merged(results, "weights", k) for k in range(3)]
+    every = set().union(*(r["params"] for r in results))
+    assert set(grads[0]) == set(grads[1]) == set(weights[0]) == every, f"{job.name}: a parameter was not captured"
+    start = {n: w.float() for n, w in weights[0].items()}
+    rows = results[0]["rows"]
+    expected = adamw_steps(job.argv, start, grads, [row[1] for row in rows], [row[3] for row in rows])
+    tol = LOW_PRECISION_UPDATE_TOL[job.settings["precision"]]
+    for step in range(2):
+        for name, e in expected[step].items():
+            w = weights[step + 1][name]
+            err = float(((w.float() - e).abs() / (e.abs() + UPDATE_SCALE)).max())
+            seen["update"] = max(seen.get("update", 0.0), err)
+            assert err <= tol, f"{job.name}: step {step + 1}'s update of {name} off by {err:.2e} (bound {tol:.1e})"
 
 
 class Runner:
@@ -338,7 +373,7 @@ class Runner:
             return "refused"
         fp32 = case["precision"] == "fp32"
         steps = 1 if case["schedule"] == "2bw" else 2
-        results = self.run_distributed(job.world, run_job, list(job.argv), fp32)
+        results = self.run_distributed(job.world, run_job, list(job.argv), True)
         if fp32:  # step 1 from the seed's model; step 2 from the run's weights after step 1
             ref = [self._fp32_reference(job)]
             if steps == 2:
@@ -349,7 +384,7 @@ class Runner:
         deviation = self.deviations[job.name] = {
             key: max(abs(row[i] - r[i]) / abs(r[i]) for row, r in zip(results[0]["rows"][:steps], ref))
             for i, key in enumerate(("loss", "grad_norm"))}
-        check_run(job, results, exact_compare(job, ref, deviation) if fp32 else tolerance_compare(job, ref))
+        check_run(job, results, exact_compare(job, ref, deviation) if fp32 else tolerance_compare(job, ref, deviation))
         return "ran"
 
     def _fp32_reference(self, job: Job) -> tuple:

@@ -5,7 +5,8 @@ the real `pretrain` on tests/dist.py's pool (world <= 4). A case the start-up pa
 line naming a flag it gave (tools/schedule_matrix.py lists them in docs/schedules.md); a case that runs must be
 finite, move every parameter in each applied step and equal its reference: in fp32 one process from the same
 weights at each step (loss, gradient norm and every gradient tensor within 1e-5) and AdamW's update of the run's
-own gradients (every element), the same precision's 1F1B run in bf16 / fp16 (tests/interaction.py's tolerance).
+own gradients (every element), the same precision's 1F1B run in bf16 / fp16 (tests/interaction.py's tolerance),
+with each bf16 / fp16 step's weights AdamW's update of the run's own gradients rounded to the model's dtype.
 
 Beside it, bf16 and fp16 with every split-backward schedule at 2 ranks, where issue 37 saw a bf16 zb-h1 run stop
 ("received 5 gradient contributions in a step declared with 4 microbatches"): the deferred weight gradients must
