@@ -175,7 +175,6 @@ def test_a_nan_on_one_rank_under_torchrun(tmp_path, bad_rank):
 
 @pytest.mark.parametrize("dead_rank", [0, 1])
 def test_a_dead_rank_under_torchrun(tmp_path, dead_rank):
-    argv = TINY + ["--mock-data", "--train-iters", "1000"]
     """The agent sees the worker die, stops the other and names the dead one as the job's root cause, with
     its signal; the survivor, stopped within a moment of the death, says nothing (had it stayed long enough
     to see its watchdog's verdict, its one line would name the same rank)."""
