@@ -83,7 +83,7 @@ from megatron_pp.planning.efficiency import (EfficiencyModel, HardwareProfile, L
                                              Roofline, head_times, head_weight_grad_s)
 from megatron_pp.planning.job import Cluster, Configuration, Job, Prediction, ScheduleUnavailable
 from megatron_pp.planning.memory import (backward_transient_bytes, deferred_weight_grad_bytes,
-                                         optimizer_step_transient_bytes,
+                                         optimizer_step_transient_bytes, overlapped_gather_companions_bytes,
                                          stage_parameters_per_gpu, stage_vector_parameters_per_gpu,
                                          state_bytes_per_parameter, stash_bytes, transient_activation_bytes)
 from megatron_pp.schedules.comm import insert_communication
@@ -258,9 +258,13 @@ class Evaluator:
         for rank, n in enumerate(params):
             vectors = sum(stage_vector_parameters_per_gpu(job.config, specs[schedule.stage_of(rank, chunk)], c.tp)
                           for chunk in range(c.num_chunks))
+            held = overlapped_gather_companions_bytes(
+                job.config, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
+                receives_input=not specs[schedule.stage_of(rank, 0)].has_embedding,
+                param_bytes=job.param_bytes) if c.overlap_param_gather and c.dp > 1 else 0
             out.append(optimizer_step_transient_bytes(
                 n, vectors, dp=c.dp, distributed_optimizer=c.distributed_optimizer, param_bytes=job.param_bytes,
-                implementation=job.optimizer))
+                implementation=job.optimizer, held_into_next_step=held))
         return tuple(out)
 
     def rank_backward_bytes(self, c: Configuration, schedule: Schedule) -> tuple[float, ...]:

@@ -154,6 +154,9 @@ class Configuration:
     options: tuple[tuple[str, object], ...] = ()
     """Schedule options (builder keywords) other than defaults, sorted by name."""
     distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    """--overlap-param-gather (with the distributed optimizer): each update's gathered parameters are held
+    until the chunk's first forward (`memory.overlapped_gather_companions_bytes`)."""
 
     @property
     def sequence_parallel(self) -> bool:
@@ -166,7 +169,7 @@ class Configuration:
     def label(self) -> str:
         opts = "".join(f" {k}={v:g}" if isinstance(v, float) else f" {k}={v}" for k, v in self.options)
         v = f" v={self.num_chunks}" if self.num_chunks > 1 else ""
-        zero = " zero1" if self.distributed_optimizer else ""
+        zero = (" zero1" if self.distributed_optimizer else "") + (" overlap-gather" if self.overlap_param_gather else "")
         return (f"{self.schedule}{v}{opts} tp{self.tp} pp{self.pp} dp{self.dp} b={self.micro_batch_size} "
                 f"recompute={self.recompute}{zero}")
 

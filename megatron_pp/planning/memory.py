@@ -540,7 +540,7 @@ def stage_vector_parameters_per_gpu(config: TransformerConfig, spec: StageSpec, 
 
 def optimizer_step_transient_bytes(params: int, vector_params: int, *, dp: int = 1,
                                    distributed_optimizer: bool = False, param_bytes: int = 2,
-                                   implementation: str = "fused") -> float:
+                                   implementation: str = "fused", held_into_next_step: float = 0.0) -> float:
     """Bytes `TrainingOptimizer.step` allocates above the state at its peak, on a GPU holding `params`
     parameters of which `vector_params` are 1-D (ours, from the code, and measured to the byte on tiny
     real runs: tests/planning/test_optimizer_step.py). The step runs, one after another, so the term is the
@@ -556,7 +556,10 @@ def optimizer_step_transient_bytes(params: int, vector_params: int, *, dp: int =
                           (`core.distributed_optimizer.ShardedMainParams.copy_to_model` starts every
                           bucket's all-gather before waiting on the first: each bucket's shard cast to the
                           parameter dtype and its gathered copy are all alive at once, besides the model's
-                          own parameters); param_bytes · params at dp = 1 (the shards alone)
+                          own parameters); param_bytes · params at dp = 1 (the shards alone); with
+                          --overlap-param-gather those buffers outlive the step until the chunk's first
+                          forward, beside what the next step allocates before it (`held_into_next_step`,
+                          `overlapped_gather_companions_bytes`)
 
     The gradient norm's outputs (one fp64 scalar per 4M-element piece), the step counters and the
     loss scaler are a few KiB. Bucket padding (a few elements per bucket) is not counted."""
@@ -566,4 +569,23 @@ def optimizer_step_transient_bytes(params: int, vector_params: int, *, dp: int =
     shards = dp if distributed_optimizer else 1
     adam = 0.0 if implementation == "fused" else 4 * max(params - vector_params, vector_params) / shards
     gather = param_bytes * params * (1 + 1 / dp if dp > 1 else 1) if distributed_optimizer else 0.0
-    return max(adam, gather)
+    return max(adam, gather + held_into_next_step if gather else 0.0)
+
+
+TOKEN_COUNT_BYTES = 8
+"""The step's global token count, an fp64 scalar made before the first forward (`training.step.global_token_count`)."""
+
+
+def overlapped_gather_companions_bytes(config: TransformerConfig, micro_batch_size: int, *, tp: int = 1,
+                                       sequence_parallel: bool = False, receives_input: bool = True,
+                                       param_bytes: int = 2) -> int:
+    """What the next step allocates while --overlap-param-gather still holds a one-chunk rank's gathered
+    parameters (ours, from the code; the dry run's last pipeline rank of LLaMA-3-70B tp 8 x pp 8 dp 2 measured
+    8 MiB + 8 B more than without the overlap, in its optimizer phase): the token count, and, on a rank whose
+    first forward receives its input, that input's buffer (`s·b·h`, over t with sequence parallelism, in the
+    parameter dtype), posted before the forward's pre-hook finishes the gathers. Ranks with later chunks hold
+    those chunks' gathers past the first forward, beside the stashes made until then: not modelled
+    (docs/dry_run.md)."""
+    rows = _rows(config, micro_batch_size, tp, sequence_parallel)
+    received = rows * config.hidden_size * param_bytes if receives_input else 0
+    return TOKEN_COUNT_BYTES + received

@@ -168,7 +168,8 @@ def planned_from_flags(argv: Sequence[str], world: int, hardware: str = "h100-sx
     c = Configuration(tp=tp, pp=pp, dp=world // (tp * pp), micro_batch_size=args.micro_batch_size,
                       recompute=recompute, schedule=args.pipeline_schedule, num_chunks=num_chunks(args, config),
                       options=tuple(sorted(options.items())),
-                      distributed_optimizer=bool(args.use_distributed_optimizer))
+                      distributed_optimizer=bool(args.use_distributed_optimizer),
+                      overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
     return job, Cluster(world, HARDWARE_PROFILES[hardware]), c
 
 
