@@ -169,7 +169,8 @@ class Configuration:
     def label(self) -> str:
         opts = "".join(f" {k}={v:g}" if isinstance(v, float) else f" {k}={v}" for k, v in self.options)
         v = f" v={self.num_chunks}" if self.num_chunks > 1 else ""
-        zero = (" zero1" if self.distributed_optimizer else "") + (" overlap-gather" if self.overlap_param_gather else "")
+        zero = " zero1" if self.distributed_optimizer else ""
+        zero += " overlap-gather" if self.overlap_param_gather else ""
         return (f"{self.schedule}{v}{opts} tp{self.tp} pp{self.pp} dp{self.dp} b={self.micro_batch_size} "
                 f"recompute={self.recompute}{zero}")
 
