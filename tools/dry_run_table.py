@@ -49,6 +49,8 @@ CONFIGS = {
                                        ["--recompute-granularity", "selective"]),
     "llama3-70b-po-h": ("llama3-70b", 8, 8, "po-h", 1, 16, 4096,
                         ["--num-layers-per-virtual-pipeline-stage", "5", "--offload-time", "0.25"]),
+    # PipeDream-2BW: four calls (warm-up, two steady, cool-down; training/dry_run_twobw.py), m 16 = 2p per call.
+    "llama3-70b-2bw": ("llama3-70b", 8, 8, "2bw", 1, 16, 4096, []),
     "llama3-70b-dp2-zero1": ("llama3-70b", 8, 8, "1f1b", 1, 32, 4096, ["--use-distributed-optimizer"]),
     "llama3-70b-looped-bfs-layered": ("llama3-70b", 8, 8, "looped-bfs", 1, 32, 4096,
                                       ["--num-layers-per-virtual-pipeline-stage", "5",
