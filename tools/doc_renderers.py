@@ -713,6 +713,7 @@ _FULL_SIZE = tuple(f"docs/results/dry_run_{name}.json" for name in (
     "llama3_70b_recompute_full", "llama3_70b_recompute_selective", "llama3_70b_dp2_zero1",
     "llama3_70b_looped_bfs_layered"))
 RENDERERS["dry-run-full-size"] = (_FULL_SIZE, dry_run_docs.dry_run_measured_table)
+RENDERERS["dry-run-full-size-2bw"] = ("docs/results/dry_run_llama3_70b_2bw.json", dry_run_docs.dry_run_measured_table)
 RENDERERS["planner-vs-dry-runs"] = ("docs/results/planner_vs_dry_run_full_size.json",
                                     dry_run_docs.planner_vs_dry_runs_table)
 RENDERERS["planner-vs-dry-runs-range"] = ("docs/results/planner_vs_dry_run_full_size.json",
