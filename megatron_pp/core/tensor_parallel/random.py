@@ -104,12 +104,19 @@ class RNGTracker:
 
     def get_states(self) -> dict[str, RNGState]:
         """A copy of every named state (for checkpoints and activation recomputation)."""
-        return {name: {k: v.clone() for k, v in state.items()} for name, state in self._states.items()}
+        return _copy_states(self._states)
 
     def set_states(self, states: dict[str, RNGState]) -> None:
         """Replace the named states with `states` (as returned by `get_states`)."""
-        self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
+        self._states = _copy_states(states)
         self._seeds = {seed: name for seed, name in self._seeds.items() if name in self._states}
+
+
+def _copy_states(states: dict[str, RNGState]) -> dict[str, RNGState]:
+    """Generator states are host data: copied outside any fake-tensor mode, so that a forward recomputed
+    in the dry run (full recompute with dropout) restores real states, not fake copies it cannot load."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
 
 
 _DEFAULT_TRACKER = RNGTracker()
