@@ -26,7 +26,7 @@ BYTES = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "stash_peak_byt
          "peak_bytes", "host_bytes", "host_peak_bytes", "guest_peak_bytes", "peak_at")
 STATE_AND_STASH = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "stash_peak_bytes", "host_peak_bytes")
 TINY = ["--model-preset", "llama-tiny", "--mock-data", "--bf16", "--micro-batch-size", "2", "--global-batch-size",
-        "8", "--train-iters", "2", "--pipeline-model-parallel-size", "2", "--dry-run", "2",
+        "8", "--train-iters", "2", "--pipeline-model-parallel-size", "2",
         "--dry-run-optimizer", "foreach"]  # a meta job builds foreach AdamW (torch's fused one refuses meta)
 
 
@@ -95,13 +95,23 @@ class _BatchAlreadyOnMeta(dry_run.TrackingFakeMode):
         return super().from_tensor(t, *args, **kwargs)
 
 
-def _rows(device: str) -> list[dict]:
-    args = parse_args(TINY)
-    return [dry_run.run_rank(args, rank, torch.device(device)).row() for rank in (0, 1)]
+def _rows(device: str, layout: list[str]) -> list[dict]:
+    args = parse_args(TINY + layout)
+    return [dry_run.run_rank(args, rank, torch.device(device)).row() for rank in dry_run.chosen_ranks(args)]
 
 
-def test_a_meta_dry_run_counts_the_cpu_dry_runs_bytes(monkeypatch):
-    cpu, meta = _rows("cpu"), _rows("meta")
+# pp 2; and tp 2 with sequence parallelism, whose collectives on meta once took the list all-gather and the
+# all-reduce + slice (the meta world's backend is named "cpu:fake,meta:fake", which the single-tensor check
+# did not know): a gathered copy and a concatenation more than the CPU device (4 KiB here, 56 MiB at
+# LLaMA-3-70B tp 8).
+LAYOUTS = {"pp2": ["--dry-run", "2"], "tp2-sp-pp2": ["--dry-run", "4", "--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_meta_dry_run_counts_the_cpu_dry_runs_bytes(monkeypatch, layout):
+    layout = LAYOUTS[layout]
+    cpu, meta = _rows("cpu", layout), _rows("meta", layout)
     for c, m in zip(cpu, meta):
         assert {k: m[k] for k in STATE_AND_STASH} == {k: c[k] for k in STATE_AND_STASH}
         assert m["peak_at"] == c["peak_at"]
@@ -110,9 +120,9 @@ def test_a_meta_dry_run_counts_the_cpu_dry_runs_bytes(monkeypatch):
     # The transient differs by the fold and the batch; with both made the CPU's, nothing differs.
     assert [m["transient_peak_bytes"] for m in meta] != [c["transient_peak_bytes"] for c in cpu]
     monkeypatch.setattr(layers, "add_to_main_grad", _upcast_fold)
-    folded = _rows("meta")
+    folded = _rows("meta", layout)
     monkeypatch.setattr(dry_run, "TrackingFakeMode", _BatchAlreadyOnMeta)
-    both = _rows("meta")
+    both = _rows("meta", layout)
     assert [{k: r[k] for k in BYTES} for r in both] == [{k: r[k] for k in BYTES} for r in cpu]
     # Each cause on its own moves the peak: the batch copy adds bytes, the GPU-style fold (one fp32 product
     # instead of two fp32 operand copies) takes some away at this size.

@@ -70,7 +70,9 @@ def _done(x: torch.Tensor) -> PendingCollective:
 
 
 def _single_tensor_kernels(group: ProcessGroup) -> bool:
-    return dist.get_backend(group) in _BACKENDS_WITH_SINGLE_TENSOR_COLLECTIVES
+    # A backend named per device type ("cpu:fake,meta:fake": the meta dry run's world) by what it runs.
+    return (dist.get_backend(group) in _BACKENDS_WITH_SINGLE_TENSOR_COLLECTIVES
+            or comm.backend_needs(group).single_tensor_collectives)
 
 
 def split_along_dim(x: torch.Tensor, dim: int, group: Optional[ProcessGroup]) -> torch.Tensor:
