@@ -91,3 +91,93 @@ def emulate_claims_shown(*reports: dict) -> str:
         f"p = {pp}, m = {m}: {sum((r['measured'] < 1) == (r['simulated'] < 1) for r in rs)} of {len(rs)} "
         f"(within {pct(max(abs(r['measured'] / r['simulated'] - 1) for r in rs), 1)})"
         for (pp, m), rs in sorted(groups.items()))
+
+
+# The schedule grids (tools/trace_vs_sim.py --emulate --pp P ...): the executor against the simulator with the
+# calibrated host costs (simulated_*) and without them (ideal_*) -----------------------------------------------
+
+
+def _grid_rows(reports: tuple) -> list[dict]:
+    return [row for report in reports for row in report["rows"]]
+
+
+def _path_excess(row: dict) -> str:
+    path = row["critical_path_ms"]
+    return " · ".join(f"{path[k]:.0f}" for k in ("overrun", "gap", "hop", "wait", "lead"))
+
+
+def emulate_grid_table(*reports: dict) -> str:
+    """Per (schedule, p, m) and cost set: the measured step against the simulation with the calibrated host
+    costs (its error, what the 5% target reads) and the ideal simulation, e.g. '0.674 / 0.668 (+0.9%) / 0.660';
+    the measured bubble against the same two, '0.287 / 0.280 / 0.273'; with equal costs, the step beyond the
+    costs on its measured critical path (ms: overrun · gap · hop · wait · lead); receives kept ahead (most), the
+    actions whose own work exceeded their cost (all measured steps, both cost sets), the model's largest share
+    of busy time, the load average over the rows."""
+    rows: dict = {}
+    for row in _grid_rows(reports):
+        rows.setdefault((row["pp"], row["microbatches"], row["schedule"]), {})[row["costs"]] = row
+    out = []
+    for (pp, m, name), by_costs in rows.items():
+        cells = [name, str(pp), str(m)]
+        for kind in ("equal", "split"):
+            r = by_costs.get(kind)
+            cells += ["–", "–"] if r is None else [
+                f"{num(r['measured_step_s'], 3)} / {num(r['simulated_step_s'], 3)} "
+                f"({pct(r['step_error'], 1, sign=True)}) / {num(r['ideal_step_s'], 3)}",
+                f"{num(r['measured_bubble'], 3)} / {num(r['simulated_bubble'], 3)} / {num(r['ideal_bubble'], 3)}"]
+        load = [x for r in by_costs.values() for x in r["load_average"]]
+        over = [n for r in by_costs.values() for n in r["actions_over_cost"]]
+        cells += ["–" if "equal" not in by_costs else _path_excess(by_costs["equal"]),
+                  str(max(r["receives_ahead_max"] for r in by_costs.values())), str(sum(over)),
+                  pct(max(r["model_share"] for r in by_costs.values()), 0), f"{min(load):.0f}–{max(load):.0f}"]
+        out.append(cells)
+    return table(["schedule", "p", "m", "equal costs: step s, measured / simulated with host costs (error) / ideal",
+                  "bubble, measured / with host costs / ideal",
+                  "split costs: step s, measured / simulated with host costs (error) / ideal",
+                  "bubble, measured / with host costs / ideal",
+                  "equal costs: ms beyond the costs on the critical path, overrun · gap · hop · wait · lead",
+                  "receives ahead", "actions over cost", "model share", "load average"], out)
+
+
+def emulate_calibration_table(*reports: dict) -> str:
+    """Per p, the calibration run the grid made first (`calibration` in each JSON): its unit, the host time per
+    compute action and per posted send or receive, the latency (median, with its quartiles), the samples, the
+    median late wake-up (not charged) and the load average before and after it."""
+    out = []
+    for report in reports:
+        for pp, c in sorted(report["calibration"].items(), key=lambda kv: int(kv[0])):
+            quartiles = c["latency_ms_quartiles"]
+            spread = f" ({num(quartiles[0], 3)}–{num(quartiles[2], 3)})" if quartiles else ""
+            out.append([pp, f"{c['schedule']}, m = {c['microbatches']}, equal", num(c["unit_ms"], 0),
+                        num(c["host_compute_ms"], 3), num(c["host_post_ms"], 3),
+                        num(c["p2p_latency_ms"], 3) + spread, f"{c['gaps']} · {c['latency_samples']}",
+                        num(c["overrun_ms"], 3), f"{c['load_average'][0]:.0f}–{c['load_average'][1]:.0f}"])
+    return table(["p", "calibration run", "unit ms", "host per compute action, ms", "host per posted send or "
+                  "receive, ms", "latency, ms (quartiles)", "gaps · waited inputs", "late wake-up, ms (not charged)",
+                  "load average"], out)
+
+
+def emulate_ratios_table(*reports: dict) -> str:
+    """The speed claims at p >= 8 from the grids: per (pair, p, m, costs) the measured step-time ratio, the
+    simulated one with the calibrated host costs, the ideal simulated one and the papers' formulas' (equal
+    costs only)."""
+    out = []
+    for report in reports:
+        for r in report["ratios"]:
+            if r["pp"] >= 8:
+                paper = r["papers_formula"]
+                out.append([r["ratio"], str(r["pp"]), str(r["microbatches"]), r["costs"], num(r["measured"], 3),
+                            num(r["simulated"], 3), num(r["ideal"], 3), "–" if paper is None else num(paper, 3)])
+    return table(["ratio", "p", "m", "costs", "measured (emulated)", "simulated with host costs", "ideal simulated",
+                  "papers' bubble formulas (ours: step = m·(F+BI+BW) + bubble)"], out)
+
+
+def emulate_ideal_targets(*reports: dict) -> str:
+    """Per p, the rows within both targets against the ideal simulation instead (what the previous grids were
+    held to): 'p = 4: 18 of 52; ...'."""
+    parts = []
+    for pp, rows in _rows_by_p(reports).items():
+        held = sum(abs(r["measured_step_s"] / r["ideal_step_s"] - 1) <= 0.05 and (
+            r["ideal_bubble"] == 0 or abs(r["measured_bubble"] / r["ideal_bubble"] - 1) <= 0.15) for r in rows)
+        parts.append(f"p = {pp}: {held} of {len(rows)}")
+    return "; ".join(parts)
