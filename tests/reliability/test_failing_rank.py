@@ -4,7 +4,8 @@ met it (or from rank 0 when every rank meets it), and the exit status of docs/re
 
 Each failure is planted on rank 0 and on rank 1 of a 2-rank pipeline, under a plain launch (separate
 processes, as `srun` starts them: each rank's own status shows) and under torchrun (its agent stops the
-others once one exits; for a dead worker the agent's summary is the report, naming it as the root cause). A node-local file is simulated by giving each rank its own working directory
+others once one exits; for a dead worker the agent's summary is the report, naming it as the root cause; `--tee 2`
+labels each worker's stderr lines with its rank, so the printing rank shows there too). A node-local file is simulated by giving each rank its own working directory
 (`node0/`, `node1/`) and a relative `--data-path`: a wrapper script changes to `node<RANK>/` before it
 runs `pretrain_gpt.py`, so it works under any launcher. The same four failures under a real `srun`:
 tests/launch/test_slurm.py::test_a_corrupt_index_on_one_rank_is_one_line_from_that_rank and
@@ -68,10 +69,17 @@ def _plain(tmp_path, argv, env=None, script="pretrain_gpt.py"):
 
 
 def _torchrun(tmp_path, argv, env=None, script=None) -> subprocess.CompletedProcess:
+    """torchrun with `--tee 2`: each worker's stderr reaches the agent's as `[default<rank>]:<line>`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           script or os.path.join(ROOT, "pretrain_gpt.py"), *argv]
+           "--tee", "2", script or os.path.join(ROOT, "pretrain_gpt.py"), *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _worker_error_lines(agent_stderr: str) -> list[tuple[int, str]]:
+    """(rank, line) of every `error:` line in a `--tee 2` torchrun's output; none may be unlabelled."""
+    assert _error_lines(agent_stderr) == [], agent_stderr  # every worker line carries its label
+    return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"^\[default(\d+)\]:(error: .*)$", agent_stderr, re.M)]
 
 
 def _worker_statuses(agent_stderr: str) -> list[int]:
@@ -104,8 +112,9 @@ def test_a_corrupt_node_local_index_is_one_line_from_its_rank(tmp_path, bad_rank
 def test_a_corrupt_node_local_index_under_torchrun(tmp_path, bad_rank):
     wrapper = make_nodes(str(tmp_path), bad_rank)
     proc = _torchrun(tmp_path, TINY + DATA + ["--train-iters", "2"], script=wrapper)
-    lines = _error_lines(proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith(f"error: rank {bad_rank}: corpus.idx: not an indexed"), proc.stderr
+    lines = _worker_error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0][0] == bad_rank, proc.stderr  # printed once, by the rank that met it
+    assert lines[0][1].startswith(f"error: rank {bad_rank}: corpus.idx: not an indexed"), proc.stderr
     statuses = _worker_statuses(proc.stderr)
     # The failing worker exits 1; the agent then SIGTERMs one still running or tearing down (-15).
     assert proc.returncode == 1 and 1 in statuses and set(statuses) <= {1, -15}, proc.stderr
@@ -153,10 +162,11 @@ def test_a_dead_rank_is_named_once_by_the_survivor(tmp_path, dead_rank):
 def test_a_full_disk_on_one_rank_under_torchrun(tmp_path, bad_rank):
     argv = TINY + ["--mock-data", "--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "1"]
     proc = _torchrun(tmp_path, argv, env={ENV_VAR: f"enospc_save@1:{bad_rank}"})
-    lines = _error_lines(proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith(f"error: rank {bad_rank}: saving checkpoint "), proc.stderr
+    lines = _worker_error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0][0] == bad_rank, proc.stderr
+    assert lines[0][1].startswith(f"error: rank {bad_rank}: saving checkpoint "), proc.stderr
     # (the agent's own traceback, ChildFailedError, is torchrun's way to end; no worker shows one)
-    assert "No space left on device" in lines[0] and _worker_traceback(proc.stderr) is None, proc.stderr
+    assert "No space left on device" in lines[0][1] and _worker_traceback(proc.stderr) is None, proc.stderr
     statuses = _worker_statuses(proc.stderr)
     assert proc.returncode == 1 and 1 in statuses and set(statuses) <= {1, -15}, proc.stderr
 
@@ -165,9 +175,10 @@ def test_a_full_disk_on_one_rank_under_torchrun(tmp_path, bad_rank):
 def test_a_nan_on_one_rank_under_torchrun(tmp_path, bad_rank):
     argv = TINY + ["--mock-data", "--train-iters", "4", "--max-consecutive-nonfinite", "1"]
     proc = _torchrun(tmp_path, argv, env={ENV_VAR: f"nan_grad@2:{bad_rank}"})
-    lines = _error_lines(proc.stderr)
-    assert lines == [lines[0]] and lines[0].startswith("error: iteration 2: loss or gradients not finite for 1 "
-                                                       "consecutive step"), proc.stderr
+    lines = _worker_error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0][0] == 0, proc.stderr  # every rank met it: rank 0 says it for the job
+    assert lines[0][1].startswith("error: iteration 2: loss or gradients not finite for 1 consecutive step"), \
+        proc.stderr
     assert _worker_traceback(proc.stderr) is None, proc.stderr
     statuses = _worker_statuses(proc.stderr)
     assert proc.returncode == 1 and 1 in statuses and set(statuses) <= {1, -15}, proc.stderr
@@ -183,6 +194,7 @@ def test_a_dead_rank_under_torchrun(tmp_path, dead_rank):
     root = proc.stderr.split("Root Cause (first observed failure):", 1)[-1]
     assert re.search(rf"^\s*rank\s+:\s*{dead_rank} \(local_rank", root, re.M), proc.stderr
     assert re.search(r"^\s*exitcode\s+:\s*-9 ", root, re.M), proc.stderr  # SIGKILL
-    lines = _error_lines(proc.stderr)
-    assert len(lines) <= 1 and all(f"rank {dead_rank} failed" in line for line in lines), proc.stderr
+    lines = _worker_error_lines(proc.stderr)
+    assert len(lines) <= 1 and all(r != dead_rank and f"rank {dead_rank} failed" in line for r, line in lines), \
+        proc.stderr
     assert proc.returncode == 1 and sorted(_worker_statuses(proc.stderr)) in ([-15, -9], [-9, 1]), proc.stderr
