@@ -40,6 +40,7 @@ layers (10, 20, 10, 10 ms per chunk with two chunks per rank); 1F1B at p = 4, m 
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -456,8 +457,7 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int,
                 for p in chunk.parameters():
                     p.grad = None
             emulator.reset()
-            comm.barrier()
-            result = executor.run(batches, loss_scale=1.0 / tokens)
+            result = _step_without_collector(comm, executor, batches, tokens)
             out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
                             "copies": emulator.copies, "posts": emulator.posts, "blocking": emulator.blocking,
                             "load": os.getloadavg()[0],
@@ -465,6 +465,20 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int,
                             "autogroup_nice": autogroup_nice(), "realtime": realtime,
                             "receives_ahead": dict(executor.receives_ahead)})
     return out
+
+
+def _step_without_collector(comm, executor, batches, tokens):
+    """One step with Python's cyclic garbage collector off, after collecting before the step's barrier: the
+    collector's threshold-triggered full collection (tens of milliseconds with torch's objects, on whichever
+    action allocates when it strikes: a forward) otherwise lands inside the step as a stall no list has.
+    Production trainers collect by hand between steps for the same reason (Megatron-LM's `--manual-gc`)."""
+    gc.collect()
+    comm.barrier()
+    gc.disable()
+    try:
+        return executor.run(batches, loss_scale=1.0 / tokens)
+    finally:
+        gc.enable()
 
 
 def _consumer(actions, index: int, a) -> str:
