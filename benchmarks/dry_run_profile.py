@@ -5,10 +5,10 @@ itself tracks and watches: `training.dry_run.TrackingFakeMode`), and the rest of
     python benchmarks/dry_run_profile.py --out docs/results/dry_run_profile.json -- \
         --model-preset llama3-70b --mock-data --bf16 ... --dry-run 64 --dry-run-ranks 0
     python benchmarks/dry_run_profile.py --from-profile prof.out --argv "..." --out ...   (an existing profile)
-    python benchmarks/dry_run_profile.py --against REV --pairs 3 --ranks 0,56 --out ... -- <the flags>
+    python benchmarks/dry_run_profile.py --against REV --current REV2 --pairs 3 --ranks 0,56 --out ... -- <flags>
 
 `--against REV`: paired A/B of the dry run's speed, the code of git revision REV (exported with `git archive`
-into a temporary folder) against the working tree, alternating (REV, tree, REV, tree, ...) so drift in the
+into a temporary folder) against REV2's (`--current`; default the working tree), alternating (REV, tree, REV, tree, ...) so drift in the
 host's load falls on both, each run a fresh process (FakeTensorMode's dispatch cache is process-wide). Timed:
 each rank's CPU seconds (`RankReport.seconds`: fake world, model, optimizer, both steps) and its steps'. Every
 byte field of the rank's row and every recorded call must be equal between the two; the JSON says so per rank.
@@ -44,6 +44,12 @@ PARTS = {
     "import": ("train.py", 1, "<module>"),
     "executor (both steps)": ("execute.py", None, "run"),
     "fake tensor dispatch": ("fake_tensor.py", None, "dispatch"),
+    # Since the fast fake dispatch (training/dry_run_fast.py) the tracker enters the fake mode here, which
+    # calls torch's `dispatch`, or its fake kernels directly for operators torch never caches.
+    "fake tensor dispatch (fast)": ("dry_run_fast.py", None, "fake_dispatch"),
+    "cache key": ("fake_tensor.py", None, "_cache_key"),
+    "cache hit output": ("fake_tensor.py", None, "_output_from_cache_entry"),
+    "fake kernels (misses, uncached operators)": ("fake_tensor.py", None, "_dispatch_impl"),
     "memory tracker (with what it wraps)": ("dry_run.py", None, "__torch_dispatch__"),
     "communication watch": ("comm_check.py", None, "observe"),
     "backward (autograd engine)": ("execute.py", None, "_backward_pass"),
@@ -59,13 +65,16 @@ def summary(profile: str, argv: str) -> dict:
     stats = pstats.Stats(profile)
     parts = {k: cumulative(stats, *v) for k, v in PARTS.items()}
     run = parts["executor (both steps)"]
-    fake = parts["fake tensor dispatch"]
+    fake = max(parts["fake tensor dispatch"], parts["fake tensor dispatch (fast)"])
+    inside = ("cache key", "cache hit output", "fake kernels (misses, uncached operators)")
     watch = parts["communication watch"]  # called by the tracker for every operator, inside its time
     tracker = parts["memory tracker (with what it wraps)"] - fake - watch
     return {"command": f"python pretrain_llama.py {argv}", "profile_total_s": stats.total_tt, "parts_s": parts,
             "executor_shares": {"fake tensor dispatch": fake / run, "memory tracker itself": tracker / run,
                                 "communication watch itself": watch / run,
                                 "model code and autograd engine": (run - fake - tracker - watch) / run},
+            "fake_dispatch_shares": {**{k: parts[k] / run for k in inside},
+                                     "cache lookup and the rest": (fake - sum(parts[k] for k in inside)) / run},
             "note": "cProfile clock on a shared, loaded 2-core machine: shares, not seconds"}
 
 
@@ -76,39 +85,45 @@ def _one(tree: Path, flags: list[str], rank: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def paired(rev: str, flags: list[str], ranks: list[int], pairs: int) -> dict:
-    """REV against the working tree, alternating; per rank the CPU seconds of each run and whether every
-    byte field and recorded call is equal."""
+def _export(rev: str, folder: str) -> str:
+    """The code of git revision `rev` under `folder` (git archive); its full hash."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def paired(rev: str, current: str | None, flags: list[str], ranks: list[int], pairs: int) -> dict:
+    """REV against `current` (a revision, or the working tree when None), alternating; per rank the CPU
+    seconds of each run and whether every byte field and recorded call is equal."""
     load_before = list(os.getloadavg())
-    out = {"baseline_rev": subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True,
-                                          check=True).stdout.strip(),
-           "current_rev": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                         check=True).stdout.strip(),
-           "command": "python pretrain_llama.py " + " ".join(flags), "pairs": pairs, "ranks": {}}
-    with tempfile.TemporaryDirectory() as base:
-        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+    with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as cur:
+        out = {"baseline_rev": _export(rev, base),
+               "current_rev": _export(current, cur) if current else "working tree",
+               "command": "python pretrain_llama.py " + " ".join(flags), "pairs": pairs, "ranks": {}}
+        trees = {"baseline": Path(base), "current": Path(cur) if current else ROOT}
         for rank in ranks:
             runs = {"baseline": [], "current": []}
             for _ in range(pairs):
-                runs["baseline"].append(_one(Path(base), flags, rank))
-                runs["current"].append(_one(ROOT, flags, rank))
-            drop = lambda row: {k: v for k, v in row.items() if k not in TIMES}  # noqa: E731
-            first = runs["baseline"][0]
-            secs = {k: [r["row"]["seconds"] for r in v] for k, v in runs.items()}
-            out["ranks"][str(rank)] = {
-                "baseline_seconds": secs["baseline"], "current_seconds": secs["current"],
-                "baseline_step_seconds": [r["row"]["step_seconds"] for r in runs["baseline"]],
-                "current_step_seconds": [r["row"]["step_seconds"] for r in runs["current"]],
-                "current_over_baseline": [c / b for b, c in zip(secs["baseline"], secs["current"])],
-                "median_current_over_baseline": statistics.median(c / b for b, c in zip(secs["baseline"],
-                                                                                        secs["current"])),
-                "bytes_equal": all(drop(r["row"]) == drop(first["row"]) for v in runs.values() for r in v),
-                "calls_equal": all(r["comm"] == first["comm"] for v in runs.values() for r in v),
-                "calls": len(first["comm"]), "row": drop(first["row"])}
+                for side in ("baseline", "current"):
+                    runs[side].append(_one(trees[side], flags, rank))
+            out["ranks"][str(rank)] = _compare(runs)
     out["load_average_before"], out["load_average_after"] = load_before, list(os.getloadavg())
     out["note"] = "CPU seconds are process time on a shared 2-core host: compare within a pair"
     return out
+
+
+def _compare(runs: dict) -> dict:
+    drop = lambda row: {k: v for k, v in row.items() if k not in TIMES}  # noqa: E731
+    first = runs["baseline"][0]
+    secs = {k: [r["row"]["seconds"] for r in v] for k, v in runs.items()}
+    ratios = [c / b for b, c in zip(secs["baseline"], secs["current"])]
+    return {"baseline_seconds": secs["baseline"], "current_seconds": secs["current"],
+            "baseline_step_seconds": [r["row"]["step_seconds"] for r in runs["baseline"]],
+            "current_step_seconds": [r["row"]["step_seconds"] for r in runs["current"]],
+            "current_over_baseline": ratios, "median_current_over_baseline": statistics.median(ratios),
+            "bytes_equal": all(drop(r["row"]) == drop(first["row"]) for v in runs.values() for r in v),
+            "calls_equal": all(r["comm"] == first["comm"] for v in runs.values() for r in v),
+            "calls": len(first["comm"]), "row": drop(first["row"])}
 
 
 def main() -> int:
@@ -116,14 +131,15 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--from-profile", default=None)
     parser.add_argument("--argv", default=None, help="the dry run's flags (with --from-profile)")
-    parser.add_argument("--against", default=None, help="git revision to time the working tree against")
+    parser.add_argument("--against", default=None, help="git revision to time against --current")
+    parser.add_argument("--current", default=None, help="git revision timed against --against (default: the working tree)")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--ranks", default="0", help="global ranks to time (with --against)")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.against:
         flags = [a for a in args.rest if a != "--"]
-        result = paired(args.against, flags, [int(r) for r in args.ranks.split(",")], args.pairs)
+        result = paired(args.against, args.current, flags, [int(r) for r in args.ranks.split(",")], args.pairs)
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(json.dumps({r: {k: v[k] for k in ("median_current_over_baseline", "bytes_equal", "calls_equal")}
                           for r, v in result["ranks"].items()}, indent=1))
