@@ -52,12 +52,21 @@ CONFIGS = {
     # PipeDream-2BW: four calls (warm-up, two steady, cool-down; training/dry_run_twobw.py), m 16 = 2p per call.
     "llama3-70b-2bw": ("llama3-70b", 8, 8, "2bw", 1, 16, 4096, []),
     "llama3-70b-dp2-zero1": ("llama3-70b", 8, 8, "1f1b", 1, 32, 4096, ["--use-distributed-optimizer"]),
+    "llama3-70b-dp2-zero1-overlap": ("llama3-70b", 8, 8, "1f1b", 1, 32, 4096,
+                                     ["--use-distributed-optimizer", "--overlap-param-gather"]),
+    # The overlap on a rank of two chunks: chunk 1's gathers held through chunk 0's first forwards.
+    "llama3-70b-interleaved-dp2": ("llama3-70b", 8, 8, "interleaved-1f1b", 1, 32, 4096,
+                                   ["--num-layers-per-virtual-pipeline-stage", "5", "--use-distributed-optimizer"]),
+    "llama3-70b-interleaved-dp2-overlap": ("llama3-70b", 8, 8, "interleaved-1f1b", 1, 32, 4096,
+                                           ["--num-layers-per-virtual-pipeline-stage", "5",
+                                            "--use-distributed-optimizer", "--overlap-param-gather"]),
     "llama3-70b-looped-bfs-layered": ("llama3-70b", 8, 8, "looped-bfs", 1, 32, 4096,
                                       ["--num-layers-per-virtual-pipeline-stage", "5",
                                        "--breadth-first-microbatches", "8", "--layered-grad-accumulation",
                                        "--use-distributed-optimizer"]),
 }
-DATA_PARALLEL = {"llama3-70b-dp2-zero1": 2, "llama3-70b-looped-bfs-layered": 2}
+DATA_PARALLEL = {"llama3-70b-dp2-zero1": 2, "llama3-70b-dp2-zero1-overlap": 2, "llama3-70b-interleaved-dp2": 2,
+                 "llama3-70b-interleaved-dp2-overlap": 2, "llama3-70b-looped-bfs-layered": 2}
 """Configurations run at dp > 1 (the world is tp x pp x dp); the rest at dp 1."""
 
 
