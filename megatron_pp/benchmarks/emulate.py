@@ -471,14 +471,28 @@ def _step_without_collector(comm, executor, batches, tokens):
     """One step with Python's cyclic garbage collector off, after collecting before the step's barrier: the
     collector's threshold-triggered full collection (tens of milliseconds with torch's objects, on whichever
     action allocates when it strikes: a forward) otherwise lands inside the step as a stall no list has.
-    Production trainers collect by hand between steps for the same reason (Megatron-LM's `--manual-gc`)."""
-    gc.collect()
+    Production trainers collect by hand between steps for the same reason (Megatron-LM's `--manual-gc`).
+    The collection runs under the ordinary policy: tens of milliseconds of CPU on every rank at once under
+    SCHED_FIFO would run into the kernel's real-time throttling, which then stops every real-time task, the
+    next step's ranks included, for the rest of its period."""
+    _collect_as_an_ordinary_task()
     comm.barrier()
     gc.disable()
     try:
         return executor.run(batches, loss_scale=1.0 / tokens)
     finally:
         gc.enable()
+
+
+def _collect_as_an_ordinary_task() -> None:
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    if policy != os.SCHED_OTHER:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    try:
+        gc.collect()
+    finally:
+        if policy != os.SCHED_OTHER:
+            os.sched_setscheduler(0, policy, param)
 
 
 def _consumer(actions, index: int, a) -> str:
