@@ -175,3 +175,30 @@ def test_bpipe_max_resident_parks_stashes_of_a_file_job(tmp_path):
     assert schedule.options["bpipe_max_resident"] == 2
     plain = _file_job(tmp_path, "1f1b", 4, 8, 1)
     assert not _moved(plain, "EVICT") and not _moved(plain, "OFFLOAD")
+
+
+def _losses_and_peaks(ctx, argv):
+    from megatron_pp.training.arguments import parse_args
+    from megatron_pp.training.train import pretrain
+
+    args = parse_args(argv)
+    rows = pretrain(args, state=ctx.parallel_state(1, args.pipeline_model_parallel_size))
+    return [(r["loss"], r["peak_stash_bytes"]) for r in rows] if rows else None
+
+
+def test_a_file_job_with_bpipe_parks_stashes_at_run_time_and_trains_exactly(tmp_path, reference):
+    """The lists above are also what runs: 1F1B at p = 4, m = 8 from a JSON file with --bpipe-max-resident 2 gives
+    the single-process losses, rank 0's stash peak falls below the same file's without the flag (4 stashes; with
+    the flag at most K + 1 = 3) and rank 3, its partner, holds more than its own: the runtime parked the stashes
+    instead of ignoring the flag. (At p = 2 no K lowers rank 0's peak: K + 1 = 2 = p.)"""
+    path = tmp_path / "1f1b.json"
+    path.write_text(json.dumps(schedule_to_json(build_schedule("1f1b", 4, 8))))
+    argv = COMMON + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule-file", str(path)]
+    plain = run_distributed(4, _losses_and_peaks, argv)[0]
+    parked = run_distributed(4, _losses_and_peaks, argv + ["--bpipe-max-resident", "2"])[0]
+    for rows in (plain, parked):
+        assert len(rows) == 2
+        for (loss, _), ref in zip(rows, reference):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (rows, reference)
+    peaks, plain_peaks = parked[-1][1], plain[-1][1]
+    assert peaks[0] < plain_peaks[0] and peaks[3] > plain_peaks[3], (peaks, plain_peaks)
