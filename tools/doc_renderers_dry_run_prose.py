@@ -109,3 +109,40 @@ def profile_shares(data: dict) -> str:
 def meta_stash_ratio(data: dict) -> str:
     """How many times the CPU device's stash peak the meta device counts: '4.2×'."""
     return f"{data['bytes']['meta']['stash_peak_bytes'] / data['bytes']['cpu']['stash_peak_bytes']:.1f}×"
+
+
+def cores_used(data: dict) -> str:
+    """CPU seconds over wall seconds of the first configuration: how much of the host the workers got."""
+    res = data["results"][0]
+    return f"{res['cpu_seconds'] / res['wall_seconds']:.2f} of a core"
+
+
+def per_rank_seconds(data: dict) -> str:
+    """Each rank's CPU seconds and its two steps': 'rank 0 61.1 (30.8 + 28.6), ...'."""
+    res = data["results"][0]
+    return ", ".join(f"rank {r['rank']} {r['seconds']:.1f} ({' + '.join(f'{s:.1f}' for s in r['step_seconds'])})"
+                     for r in res["ranks"])
+
+
+def speed_pairs(data: dict) -> str:
+    """benchmarks/dry_run_profile.py --against: per rank the paired CPU seconds, baseline -> current."""
+    parts = []
+    for rank, r in data["ranks"].items():
+        pairs = ", ".join(f"{b:.1f} -> {c:.1f}" for b, c in zip(r["baseline_seconds"], r["current_seconds"]))
+        same = "every byte field and all {} recorded calls identical".format(r["calls"]) if (
+            r["bytes_equal"] and r["calls_equal"]) else "FIGURES DIFFER"
+        parts.append(f"rank {rank}: {pairs} CPU s (median ratio {r['median_current_over_baseline']:.2f}; {same})")
+    return (f"{'; '.join(parts)}; load average {data['load_average_before'][0]:.1f} before, "
+            f"{data['load_average_after'][0]:.1f} after, {data['baseline_rev'][:7]} against {data['current_rev'][:7]}")
+
+
+def profile_parts(data: dict) -> str:
+    """The executor's time by part, with the fake dispatch split into key, output, kernels and the rest."""
+    shares, inside = data["executor_shares"], data["fake_dispatch_shares"]
+    pct = lambda value: f"{value * 100:.1f}%" if value < 0.01 else f"{value * 100:.0f}%"  # noqa: E731
+    return (f"FakeTensorMode's dispatch {pct(shares['fake tensor dispatch'])} (the cache key "
+            f"{pct(inside['cache key'])}, a cache hit's output {pct(inside['cache hit output'])}, the fake kernels "
+            f"of misses and of the operators torch never caches {pct(inside['fake kernels (misses, uncached operators)'])}, "
+            f"the lookup and the rest {pct(inside['cache lookup and the rest'])}), our tracker "
+            f"{pct(shares['memory tracker itself'])}, the watch {pct(shares['communication watch itself'])}, model "
+            f"code and autograd {pct(shares['model code and autograd engine'])}")
