@@ -115,7 +115,11 @@ class DeferredUpdateSteps:
     def _start_metrics(self, result: StepResult, exit_conditions: ExitConditions) -> PendingCollective:
         state = self.state
         pp = state.pp_size
-        values = torch.zeros(3 + 2 * pp, dtype=torch.float64)
+        # On the job's device, where the world all-reduce runs it (NCCL in place, no copy from the host per call;
+        # the dry run's `--dry-run-device meta` check holds every collective's tensor there); without a process
+        # group nothing reduces it, and it stays on the host.
+        device = state.device if comm.is_distributed() else torch.device("cpu")
+        values = torch.zeros(3 + 2 * pp, dtype=torch.float64, device=device)
         if result.loss_sum is not None and state.tp_rank == 0:
             # Tensor-parallel ranks hold the same loss; dp ranks add up. Copied, not read: it is read with the
             # gathered metrics (`_row`).

@@ -82,6 +82,17 @@ def test_every_rank_of_2bw_at_pp_4_agrees():
     assert all(r.stash_peak_bytes > 0 for r in reports)
 
 
+def test_a_meta_dry_run_of_2bw_hands_every_collective_a_tensor_on_the_job_device():
+    """--dry-run-device meta checks the device of every tensor a collective is handed: 2BW's per-call metrics
+    vector, once built on the host, was named there (a CPU tensor in an all-reduce of a meta job). The state is
+    the CPU device's run's; the calls match across ranks."""
+    meta, problems = dry_run.dry_run(_args("2bw", 2, "--dry-run-ranks", "all", "--dry-run-device", "meta"))
+    cpu, _ = dry_run.dry_run(_args("2bw", 2, "--dry-run-ranks", "all"))
+    assert problems == [] and [r.pipeline_rank for r in meta] == [0, 1]
+    state = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
+    assert [[getattr(r, k) for k in state] for r in meta] == [[getattr(r, k) for k in state] for r in cpu]
+
+
 @pytest.mark.parametrize("precision, weight_bytes", [([], 4), (["--bf16"], 2)])
 def test_the_second_weight_version_and_the_pending_gradient_are_counted(precision, weight_bytes):
     """Against 1F1B of the same job, per rank: 2BW holds one more copy of the stage's weights in the model's
