@@ -715,3 +715,16 @@ import doc_renderers_mutation as mutation  # noqa: E402
 
 RENDERERS["mutation-since"] = (("docs/results/mutation_since_9821f81_seed46.json",
                                 "docs/results/mutation_since_9821f81_seed45.json"), mutation.since_table)
+
+
+# docs/dry_run.md, --overlap-param-gather at full size: with it against without it, and the planner ----------
+import doc_renderers_param_gather as param_gather  # noqa: E402
+
+RENDERERS["dry-run-overlap-param-gather"] = (("docs/results/dry_run_llama3_70b_dp2_zero1.json",
+                                              "docs/results/dry_run_llama3_70b_dp2_zero1_overlap.json"),
+                                             param_gather.overlap_peak_change)
+RENDERERS["dry-run-overlap-interleaved"] = (("docs/results/dry_run_llama3_70b_interleaved_dp2.json",
+                                             "docs/results/dry_run_llama3_70b_interleaved_dp2_overlap.json"),
+                                            param_gather.overlap_peak_change)
+RENDERERS["dry-run-overlap-interleaved-planner"] = ("docs/results/dry_run_llama3_70b_interleaved_dp2_overlap.json",
+                                                    param_gather.planner_against_overlap)
