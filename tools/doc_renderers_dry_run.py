@@ -91,17 +91,33 @@ def planner_vs_dry_runs_range(data: dict) -> str:
 
 
 def dry_run_device_sentence(data: dict) -> str:
-    """benchmarks/dry_run_device.py: meta over the CPU device per pair, the medians, whether the bytes agree,
+    """benchmarks/dry_run_device.py: meta over the CPU device per pair, the medians, which byte figures agree
+    (and, where the run has it, whether meta with the CPU job's weight-gradient fold and batch agrees in all),
     and RoPE's share of the operators."""
     ratios = ", ".join(num(r, 2) for r in data["meta_over_cpu_per_pair"])
     med = data["median_cpu_seconds"]
     cpu, meta = data["bytes"]["cpu"], data["bytes"]["meta"]
     same = [k for k in cpu if cpu[k] == meta[k] and k.endswith("_bytes")]
     counts = data["operator_counts"]
-    bytes_part = ("every byte figure equal" if data["same_bytes"] else
-                  f"equal only for {', '.join(k.replace('_bytes', '') for k in same)} (stash peak "
-                  f"{num(cpu['stash_peak_bytes'] / GIB)} GiB on the CPU device, {num(meta['stash_peak_bytes'] / GIB)} "
-                  f"on meta; total peak {num(cpu['peak_bytes'] / GIB)} against {num(meta['peak_bytes'] / GIB)})")
+    names = ", ".join(k.replace("_bytes", "") for k in same)
+    if data["same_bytes"]:
+        bytes_part = "every byte figure equal"
+    elif "stash_peak_bytes" in same:
+        bytes_part = (f"equal for {names} (stash peak {num(cpu['stash_peak_bytes'] / GIB)} GiB on both devices); "
+                      f"transient {num(cpu['transient_peak_bytes'] / 2**20, 1)} MiB on the CPU device, "
+                      f"{num(meta['transient_peak_bytes'] / 2**20, 1)} on meta (total peak "
+                      f"{num(cpu['peak_bytes'] / GIB)} GiB against {num(meta['peak_bytes'] / GIB)})")
+    else:
+        bytes_part = (f"equal only for {names} (stash peak {num(cpu['stash_peak_bytes'] / GIB)} GiB on the CPU "
+                      f"device, {num(meta['stash_peak_bytes'] / GIB)} on meta; total peak "
+                      f"{num(cpu['peak_bytes'] / GIB)} against {num(meta['peak_bytes'] / GIB)})")
+    if "meta_with_cpu_fold_and_batch_same_bytes" in data:
+        aligned = data["bytes"]["meta_with_cpu_fold_and_batch"]
+        apart = [f"{k.replace('_bytes', '')} {aligned[k] - cpu[k]:+d} B" for k in cpu
+                 if k.endswith("_bytes") and aligned[k] != cpu[k]]
+        bytes_part += ("; meta with the CPU job's fold and batch: " +
+                       ("every byte figure equal to the CPU device's" if not apart else
+                        f"equal to the CPU device's but for {', '.join(apart)}"))
     return (f"meta over CPU per pair {ratios} (median {num(med['cpu'], 1)} CPU s on the CPU device, "
             f"{num(med['meta'], 1)} on meta); {bytes_part}; RoPE's rotation is {counts['rotary']} of the "
             f"{counts['operators']} operators the rank dispatches ({num(100 * counts['rotary'] / counts['operators'], 1)}%)")

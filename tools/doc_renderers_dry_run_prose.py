@@ -107,8 +107,9 @@ def profile_shares(data: dict) -> str:
 
 
 def meta_stash_ratio(data: dict) -> str:
-    """How many times the CPU device's stash peak the meta device counts: '4.2×'."""
-    return f"{data['bytes']['meta']['stash_peak_bytes'] / data['bytes']['cpu']['stash_peak_bytes']:.1f}×"
+    """The meta device's stash peak against the CPU device's: 'equal to the byte', or how many times it: '4.2×'."""
+    meta, cpu = data["bytes"]["meta"]["stash_peak_bytes"], data["bytes"]["cpu"]["stash_peak_bytes"]
+    return "equal to the byte" if meta == cpu else f"{meta / cpu:.1f}×"
 
 
 def cores_used(data: dict) -> str:

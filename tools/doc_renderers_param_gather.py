@@ -8,13 +8,15 @@ MIB = 2**20
 
 
 def _bytes(delta: int) -> str:
-    """'+8 MiB + 8 B', '+56 B', 'unchanged'."""
+    """'+8 MiB + 8 B' (exact below 1 KiB over whole MiB), '+472.6 MiB', '+56 B', 'unchanged'."""
     if delta == 0:
         return "unchanged"
     sign = "+" if delta > 0 else "−"
     whole, rest = divmod(abs(delta), MIB)
     if whole == 0:
         return f"{sign}{rest} B"
+    if rest >= 1024:
+        return f"{sign}{abs(delta) / MIB:.1f} MiB"
     return f"{sign}{whole} MiB" + (f" + {rest} B" if rest else "")
 
 
