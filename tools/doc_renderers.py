@@ -654,9 +654,11 @@ RENDERERS["dry-run-time-rerun"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_r
 import doc_renderers_dry_run as dry_run_docs  # noqa: E402
 
 _FULL_SIZE = tuple(f"docs/results/dry_run_{name}.json" for name in (
-    "llama3_70b_1f1b_fused", "gpt3_175b_1f1b", "llama3_70b_interleaved", "llama3_70b_gpipe", "llama3_70b_po_h",
-    "llama3_70b_recompute_full", "llama3_70b_recompute_selective", "llama3_70b_dp2_zero1",
-    "llama3_70b_looped_bfs_layered"))
+    "llama3_70b_1f1b_fused", "gpt3_175b_1f1b", "gpt3_175b_1f1b_middle", "llama3_70b_interleaved",
+    "llama3_70b_interleaved_middle", "llama3_70b_gpipe", "llama3_70b_gpipe_middle", "llama3_70b_po_h",
+    "llama3_70b_po_h_middle", "llama3_70b_recompute_full", "llama3_70b_recompute_full_middle",
+    "llama3_70b_recompute_selective", "llama3_70b_recompute_selective_middle", "llama3_70b_dp2_zero1",
+    "llama3_70b_dp2_zero1_middle", "llama3_70b_looped_bfs_layered", "llama3_70b_looped_bfs_layered_middle"))
 RENDERERS["dry-run-full-size"] = (_FULL_SIZE, dry_run_docs.dry_run_measured_table)
 RENDERERS["dry-run-full-size-2bw"] = ("docs/results/dry_run_llama3_70b_2bw.json", dry_run_docs.dry_run_measured_table)
 RENDERERS["planner-vs-dry-runs"] = ("docs/results/planner_vs_dry_run_full_size.json",
