@@ -478,13 +478,15 @@ RENDERERS: dict = {
     "dry-run-1f1b-optimizer-low": ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_prose.optimizer_low),
     "dry-run-1f1b-fused-vs-foreach": (("docs/results/dry_run_llama3_70b_1f1b_fused.json", "docs/results/dry_run_bench_llama3_70b_1f1b.json"),
                                       dry_prose.fused_against_foreach),
-    "dry-run-rerun-against-target": ("docs/results/dry_run_bench_llama3_70b_1f1b_rerun.json", dry_prose.against_target),
     "dry-run-fused-against-target": ("docs/results/dry_run_bench_llama3_70b_1f1b_fused.json", dry_prose.against_target),
     "dry-run-fused-two-cores": ("docs/results/dry_run_bench_llama3_70b_1f1b_fused.json", dry_prose.two_idle_cores),
-    "dry-run-two-layer-cpu": (tuple(f"docs/results/dry_run_bench_llama3_70b{part}.json"
-                                    for part in ("", "_ranks_24_32", "_ranks_40_48", "_ranks_56")),
-                              dry_prose.cpu_seconds_total),
     "dry-run-profile-shares": ("docs/results/dry_run_profile_llama3_70b_m8_one_mode.json", dry_prose.profile_shares),
+    "dry-run-profile-parts": ("docs/results/dry_run_profile_llama3_70b_m8_fast_dispatch.json", dry_prose.profile_parts),
+    "dry-run-speed-pairs": ("docs/results/dry_run_speed_ab_llama3_70b_m8.json", dry_prose.speed_pairs),
+    "dry-run-fast-two-cores": ("docs/results/dry_run_bench_llama3_70b_1f1b_fast_dispatch.json", dry_prose.two_idle_cores),
+    "dry-run-fast-against-target": ("docs/results/dry_run_bench_llama3_70b_1f1b_fast_dispatch.json", dry_prose.against_target),
+    "dry-run-fast-cores-used": ("docs/results/dry_run_bench_llama3_70b_1f1b_fast_dispatch.json", dry_prose.cores_used),
+    "dry-run-fast-per-rank": ("docs/results/dry_run_bench_llama3_70b_1f1b_fast_dispatch.json", dry_prose.per_rank_seconds),
     "dry-run-meta-stash-ratio": ("docs/results/dry_run_device_llama3_70b_m8.json", dry_prose.meta_stash_ratio),
     "2bw-sim": (tuple(f"docs/results/2bw_sim_p{p}_m{m}.json" for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16))),
                 sim.two_bw_table),
@@ -647,10 +649,8 @@ RENDERERS["bpipe-dry-run-cpu"] = (BPIPE_DRY_RUNS, bp.dry_run_cpu_sentence)
 from doc_renderers_dry_run import dry_run_ranks_table, dry_run_time_sentence  # noqa: E402
 
 RENDERERS["dry-run-llama3-70b-1f1b"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_ranks_table)
-RENDERERS["dry-run-time"] = ("docs/results/dry_run_bench_llama3_70b_1f1b.json", dry_run_time_sentence)
 from doc_renderers_zb import zero_bubble_ranks_table  # noqa: E402
 RENDERERS["dry-run-llama3-70b-zero-bubble"] = (("docs/results/dry_run_llama3_70b_zb_h1.json", "docs/results/dry_run_llama3_70b_zb_h1_middle.json", "docs/results/dry_run_llama3_70b_zb_v.json", "docs/results/dry_run_llama3_70b_v_half.json"), zero_bubble_ranks_table)
-RENDERERS["dry-run-time-rerun"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_rerun.json", dry_run_time_sentence)
 import doc_renderers_dry_run as dry_run_docs  # noqa: E402
 
 _FULL_SIZE = tuple(f"docs/results/dry_run_{name}.json" for name in (
@@ -667,6 +667,7 @@ RENDERERS["planner-vs-dry-runs-range"] = ("docs/results/planner_vs_dry_run_full_
                                           dry_run_docs.planner_vs_dry_runs_range)
 RENDERERS["dry-run-device"] = ("docs/results/dry_run_device_llama3_70b_m8.json", dry_run_docs.dry_run_device_sentence)
 RENDERERS["dry-run-time-fused"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_fused.json", dry_run_time_sentence)
+RENDERERS["dry-run-time-fast"] = ("docs/results/dry_run_bench_llama3_70b_1f1b_fast_dispatch.json", dry_run_time_sentence)
 
 
 # docs/schedules.md, emulated compute: per-p figures of the grids and the planner's full-size plans ----------
