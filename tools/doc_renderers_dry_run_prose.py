@@ -88,11 +88,6 @@ def two_idle_cores(data: dict) -> str:
     return f"{data['results'][0]['cpu_seconds'] / 2:.0f} s"
 
 
-def cpu_seconds_total(*runs: dict) -> str:
-    """CPU seconds over several runs that together cover one job's ranks: '978.8 CPU s'."""
-    return f"{sum(res['cpu_seconds'] for data in runs for res in data['results']):.1f} CPU s"
-
-
 def profile_shares(data: dict) -> str:
     """benchmarks/dry_run_profile.py: the executor's time by part, as cProfile shares."""
     shares = data["executor_shares"]
