@@ -298,9 +298,10 @@ def _kib(n_bytes: float) -> str:
 
 
 def dry_run_bound_table(*runs: dict) -> str:
-    """Per p and pipeline rank: the stash peaks of 1F1B's and BPipe's dry runs (GiB), of BPipe's the part hosted
-    for the partner, BPipe simulated with 1F1B's per-stage bytes and the dry run's difference from it (KiB), and
-    the dry run's BPipe peak over 1F1B's rank 0 with its excess over the bound (K + 1)/p (KiB)."""
+    """Per p and pipeline rank: the stash peaks of 1F1B's and BPipe's dry runs (GiB, the step's batch tensors
+    counted apart), of BPipe's the part hosted for the partner, BPipe simulated with 1F1B's per-stage bytes and the
+    dry run's difference from it (KiB), the dry run's BPipe peak over 1F1B's rank 0 with its excess over the bound
+    (K + 1)/p (KiB), and both schedules' total peaks (every live storage, GiB)."""
     rows = []
     for run in runs:
         one, bp = run["runs"]["1f1b"], run["runs"]["bpipe"]
@@ -310,10 +311,37 @@ def dry_run_bound_table(*runs: dict) -> str:
             over = _over_bound(run, measured)
             rows.append([_setting(run), str(r), _gib(one["ranks"][r]["stash_peak_bytes"]), _gib(measured),
                          _gib(row["guest_peak_bytes"]), _gib(simulated), _kib(measured - simulated),
-                         num(measured / rank0, 3), f"{_kib(over)} KiB over" if over > 0 else "within"])
+                         num(measured / rank0, 3), f"{_kib(over)} KiB over" if over > 0 else "within",
+                         _gib(one["ranks"][r]["peak_bytes"]), _gib(row["peak_bytes"])])
     return table(["p", "rank", "1F1B stash peak, dry run GiB", "BPipe stash peak, dry run GiB",
                   "of it hosted for the partner GiB", "BPipe, simulated GiB", "dry run − simulated KiB",
-                  "BPipe (dry run) / 1F1B rank 0", "bound (K + 1)/p"], rows)
+                  "BPipe (dry run) / 1F1B rank 0", "bound (K + 1)/p", "1F1B total peak GiB", "BPipe total peak GiB"],
+                 rows)
+
+
+def dry_run_batch_sentence(*runs: dict) -> str:
+    """'rank 0 16 KiB, rank 3 8 KiB (p = 4); ...': per p, the batch bytes one microbatch's stash saves on each rank
+    whose stashes save any (the 1F1B dry run's `batch_saved_bytes` over m), counted apart from the stashes."""
+    parts = []
+    for run in runs:
+        ranks = run["runs"]["1f1b"]["ranks"]
+        saved = [f"rank {r['pipeline_rank']} {_kib(r['batch_saved_bytes'] / run['microbatches'])} KiB"
+                 for r in ranks if r["batch_saved_bytes"]]
+        parts.append(f"{', '.join(saved)} ({_size(run)})")
+    return "; ".join(parts)
+
+
+def dry_run_total_sentence(*runs: dict) -> str:
+    """'p = 4 (84 layers): rank 0 A GiB under 1F1B, B under BPipe; ...': each p's evicting ranks (those whose
+    partner hosts stashes) and their total peaks (every live storage) under both schedules."""
+    parts = []
+    for run in runs:
+        one, bp = run["runs"]["1f1b"]["ranks"], run["runs"]["bpipe"]["ranks"]
+        evicting = [r for r in range(len(bp)) if bp[len(bp) - 1 - r]["guest_peak_bytes"] > 0]  # its partner hosts
+        cells = [f"rank {r} {_gib(one[r]['peak_bytes'])} GiB under 1F1B, {_gib(bp[r]['peak_bytes'])} under BPipe"
+                 for r in evicting]
+        parts.append(f"{_size(run)}: " + ", ".join(cells))
+    return "; ".join(parts)
 
 
 def dry_run_worst_sentence(*runs: dict) -> str:
