@@ -181,3 +181,15 @@ def emulate_ideal_targets(*reports: dict) -> str:
             r["ideal_bubble"] == 0 or abs(r["measured_bubble"] / r["ideal_bubble"] - 1) <= 0.15) for r in rows)
         parts.append(f"p = {pp}: {held} of {len(rows)}")
     return "; ".join(parts)
+
+
+def emulate_misses(*reports: dict) -> str:
+    """The rows outside either target, per p, with their step and bubble errors against the calibrated
+    simulation: 'p = 8: v-half m = 32 equal (step +5.5%, bubble +27.8%); p = 16: ...'; 'none' when all hold."""
+    parts = []
+    for pp, rows in _rows_by_p(reports).items():
+        misses = [f"{r['schedule']} m = {r['microbatches']} {r['costs']} (step {pct(r['step_error'], 1, sign=True)}, "
+                  f"bubble {pct(r['bubble_error'], 1, sign=True)})" for r in rows if not r["within_target"]]
+        if misses:
+            parts.append(f"p = {pp}: " + ", ".join(misses))
+    return "; ".join(parts) or "none"
