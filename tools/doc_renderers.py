@@ -681,6 +681,7 @@ RENDERERS["emulate-grid"] = (EMULATED, emulate.emulate_grid_table)
 RENDERERS["emulate-ratios"] = (EMULATED, emulate.emulate_ratios_table)
 RENDERERS["emulate-calibration"] = (EMULATED, emulate.emulate_calibration_table)
 RENDERERS["emulate-ideal-targets"] = (EMULATED, emulate.emulate_ideal_targets)
+RENDERERS["emulate-misses"] = (EMULATED, emulate.emulate_misses)
 RENDERERS["emulate-plans"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_table)
 RENDERERS["emulate-plans-early"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_early_receives)
 
