@@ -166,6 +166,9 @@ class _Prepared:
     """Per rank, the optimizer step's transient above the state (`memory.optimizer_step_transient_bytes`)."""
     backward: tuple[float, ...] = ()
     """Per rank, the backward's working set beside state and stashes (`memory.backward_transient_bytes`)."""
+    early_gathers: tuple[float, ...] = ()
+    """Per rank, --overlap-param-gather's later chunks: stashes beside gathers still in flight
+    (`Evaluator.rank_early_gather_bytes`)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -265,6 +268,35 @@ class Evaluator:
             out.append(optimizer_step_transient_bytes(
                 n, vectors, dp=c.dp, distributed_optimizer=c.distributed_optimizer, param_bytes=job.param_bytes,
                 implementation=job.optimizer, held_into_next_step=held))
+        return tuple(out)
+
+    def rank_early_gather_bytes(self, c: Configuration, schedule: Schedule, stash: Sequence[int]) -> tuple[float, ...]:
+        """Per pipeline rank, with --overlap-param-gather on a rank of several chunks: a later chunk's gathered
+        parameters (each bucket's shard and gathered copy, `memory.optimizer_step_transient_bytes`) are held
+        until its first forward, beside the stashes the rank's list made before it (list order, as
+        `list_order_peaks`) and that forward's received input: the largest such sum (ours; 0 elsewhere)."""
+        if not (c.overlap_param_gather and c.distributed_optimizer and c.dp > 1 and c.num_chunks > 1):
+            return (0.0,) * c.pp
+        job, specs, params = self.job, self.stages(c), self.stage_parameters(c)
+        per_param = job.param_bytes * (1 + 1 / c.dp)
+        out = []
+        for rank, acts in enumerate(schedule.actions):
+            pending = {k: params[schedule.stage_of(rank, k)] * per_param for k in range(c.num_chunks)}
+            level = worst = 0.0
+            for a in acts:
+                stage = schedule.stage_of(rank, a.chunk)
+                if a.op is Op.F:
+                    if a.chunk in pending:
+                        pending.pop(a.chunk)
+                        if a.chunk > 0:  # earlier chunks' gathers ended at their own first forwards
+                            held = overlapped_gather_companions_bytes(
+                                job.config, c.micro_batch_size, tp=c.tp, sequence_parallel=c.sequence_parallel,
+                                receives_input=not specs[stage].has_embedding, param_bytes=job.param_bytes)
+                            worst = max(worst, level + params[stage] * per_param + sum(pending.values()) + held)
+                    level += stash[stage]
+                elif a.op is Op.B or a.op is Op.BW:
+                    level -= stash[stage]
+            out.append(worst)
         return tuple(out)
 
     def rank_backward_bytes(self, c: Configuration, schedule: Schedule) -> tuple[float, ...]:
@@ -473,7 +505,8 @@ class Evaluator:
         prepared = _Prepared(c, m, stash, self.stage_held_bytes(c), self._transient(c), versions, groups, params, state, costs, transfers,
                              after, max(w + a for w, a in zip(work, after)),
                              optimizer=self.rank_optimizer_step_bytes(c, reference, params),
-                             backward=self.rank_backward_bytes(c, reference))
+                             backward=self.rank_backward_bytes(c, reference),
+                             early_gathers=self.rank_early_gather_bytes(c, reference, stash))
         if not transfers:
             # Without stash transfers the resident stashes follow list order alone, whatever the timing,
             # so the memory is known now and a configuration that cannot fit is never simulated.
@@ -533,7 +566,8 @@ class Evaluator:
         if prepared.versions > 1:  # the lists step while stashes are held: charge both (a bound)
             memory = tuple(pipeline[r] + optimizer[r] for r in range(c.pp))
         else:  # a flushed step: the optimizer runs after the last backward, when no stash is left
-            memory = tuple(max(pipeline[r], state[r] + optimizer[r]) for r in range(c.pp))
+            early = prepared.early_gathers or (0.0,) * c.pp
+            memory = tuple(max(pipeline[r], state[r] + optimizer[r], state[r] + early[r]) for r in range(c.pp))
         return Prediction(c, m, prepared.versions, state, tuple(resident), tuple(counts),
                           prepared.transient, memory, self.cluster.capacity_bytes,
                           extrapolated=all(r.m != m for r in replays), optimizer_step_bytes=optimizer,

@@ -584,8 +584,8 @@ def overlapped_gather_companions_bytes(config: TransformerConfig, micro_batch_si
     8 MiB + 8 B more than without the overlap, in its optimizer phase): the token count, and, on a rank whose
     first forward receives its input, that input's buffer (`s·b·h`, over t with sequence parallelism, in the
     parameter dtype), posted before the forward's pre-hook finishes the gathers. Ranks with later chunks hold
-    those chunks' gathers past the first forward, beside the stashes made until then: not modelled
-    (docs/dry_run.md)."""
+    those chunks' gathers past the first forward, beside the stashes made until then
+    (`cost.Evaluator.rank_early_gather_bytes`)."""
     rows = _rows(config, micro_batch_size, tp, sequence_parallel)
     received = rows * config.hidden_size * param_bytes if receives_input else 0
     return TOKEN_COUNT_BYTES + received

@@ -83,7 +83,8 @@ def test_layered_reduction_across_groups_carries_each_chunks_copy_as_the_planner
 
 FULL_SIZE = ("llama3_70b_1f1b_fused", "gpt3_175b_1f1b", "llama3_70b_interleaved", "llama3_70b_gpipe", "llama3_70b_po_h",
              "llama3_70b_recompute_full", "llama3_70b_recompute_selective", "llama3_70b_dp2_zero1",
-             "llama3_70b_dp2_zero1_overlap", "llama3_70b_looped_bfs_layered", "gpt3_175b_1f1b_middle",
+             "llama3_70b_dp2_zero1_overlap", "llama3_70b_interleaved_dp2", "llama3_70b_interleaved_dp2_overlap",
+             "llama3_70b_looped_bfs_layered", "gpt3_175b_1f1b_middle",
              "llama3_70b_interleaved_middle", "llama3_70b_gpipe_middle", "llama3_70b_recompute_full_middle",
              "llama3_70b_recompute_selective_middle", "llama3_70b_dp2_zero1_middle",
              "llama3_70b_looped_bfs_layered_middle")
