@@ -9,8 +9,9 @@ Two differences remain between the devices, both the job's own code choosing by 
 - the linear layers' weight-gradient fold (`core.tensor_parallel.layers.add_to_main_grad`): on the CPU fp32
   copies of both GEMM operands; on meta, as on a GPU with fp32-output GEMMs (`mm(..., out_dtype=float32)` has
   a meta kernel), one fp32 product the weight's size (`planning.memory.WEIGHT_GRAD_FOLDS`);
-- the global batch: the CPU job's is already on its device (`.to("cpu")` copies nothing, so no operator makes
-  it and the tracker never sees it), the meta job copies it to its device, as a GPU job does, and counts it.
+- the global batch: the CPU job's is already on its device (`.to("cpu")` copies nothing; the tracker sees
+  only what converting the real batch to fake tensors dispatches), the meta job copies it to its device, as a
+  GPU job does, and counts the copies.
 With both made the CPU's, every byte figure of the two devices is equal.
 """
 import pytest
