@@ -1,9 +1,10 @@
 """The dry run's fast fake dispatch (megatron_pp/training/dry_run_fast.py) changes its speed, never a figure.
 
 Held here: a dry run with it and without it (fake CPU tensors and the meta device) gives every byte field and
-every recorded call equal, with the same fake-cache hits and misses; its cache key tells two tensors apart exactly when torch's key does; the key
-follows a tensor's metadata through in-place changes (resize_, set_, as_strided_); the operators it sends past
-the cache are those torch never caches; another torch runs torch's own dispatch, and says so.
+every recorded call equal, with the same fake-cache hits and misses; its cache key tells two tensors apart
+exactly when torch's key does; the key follows a tensor's metadata through in-place changes (resize_, set_,
+as_strided_); the operators it sends past the cache are those torch never caches; another torch runs torch's own
+dispatch, and says so.
 """
 from __future__ import annotations
 
