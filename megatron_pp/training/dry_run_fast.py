@@ -1,11 +1,11 @@
 """The dry run's fake dispatch, made cheaper without changing what it returns (issue 33 item 8).
 
-`FakeTensorMode` answers most operators from its dispatch cache; on this torch a cache hit costs about
-twice what the fake kernel saves, and most of that is the cache key: `_prep_args_for_hash` turns every
-tensor argument into a `TensorMetadata` dataclass (seventeen fields, sparse checks, a memory-format guess)
-and flattens it field by field into the key, about 60% of a cached `aten.mul` here
-(benchmarks/dry_run_profile.py). `FastFakeDispatch` changes three things, all in the dry run's own fake
-mode (`training.dry_run.TrackingFakeMode`), none in torch:
+`FakeTensorMode` answers most operators from its dispatch cache. Before this module, most of a cache hit's
+time was the key (`_prep_args_for_hash` turns every tensor argument into a seventeen-field `TensorMetadata`,
+with sparse checks and a memory-format guess, and flattens it field by field: 54% of the cached dispatch's
+cProfile time on a LLaMA-3-70B rank) and the output (`FakeTensor.__new__`'s argument handling). Nothing in
+torch is patched; `FastFakeDispatch`, the base of the dry run's fake mode (`training.dry_run.TrackingFakeMode`),
+changes four things:
 
 - **key**: a strided, non-symbolic fake tensor of this mode enters the key as one tuple of what torch's
   metadata holds for it (dtype, shape, strides, device, storage offset, storage bytes, requires_grad, and
@@ -17,6 +17,8 @@ mode (`training.dry_run.TrackingFakeMode`), none in torch:
 - **operators torch never caches** (the `c10d` collectives, "non-builtin"; `aten._unsafe_view`; in-place
   views): torch builds their key only to find a bypass entry under it. They go straight to the fake
   kernel, which is where torch's bypass sends them.
+- **output**: a cache hit's tensor is built as torch's constructor builds it, without the constructor's
+  argument handling (`wrap_fake`; `tests/training/test_dry_run_speed.py` holds it to torch's own).
 - **one layer fewer**: the mode's `__torch_dispatch__` calls the fake mode's `dispatch` itself, not through
   torch's wrappers around it (a dynamo-disable frame and a statistics counter).
 
@@ -34,7 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 SUPPORTED_TORCH = "2.13."
 """The torch minor the fast dispatch was written against (its private `_prep_args_for_hash`,
-`_validate_cache_key`, `_dispatch_impl` and `dispatch`)."""
+`_get_output_tensor_from_cache_entry`, `_validate_cache_key`, `_dispatch_impl`, `dispatch`, the cache
+entry's fields and `FakeTensor`'s attributes)."""
 
 _STRIDED = torch.strided
 _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
