@@ -6,6 +6,7 @@
     python tools/reproduce.py 2bw --no-measure      # full-scale rows only (no processes started)
     python tools/reproduce.py bpipe --hardware h100-sxm --efficiency-file runs/bench_layer_gpt3.json
     python tools/reproduce.py all --check           # recompute every simulated table, compare with the docs
+    nice -n 10 python tools/reproduce.py bpipe --dry-run-cells   # dry-run the memory cells' jobs (minutes each)
 
 PAPER is one of bpipe, bpipe-reeval, pipeoffload, 2bw, breadth-first, layered, or all. Full-scale rows come from
 the paper's configs in launch/configs/ and GPU profiles in launch/hardware/ (`--hardware` overrides the
@@ -24,7 +25,34 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_pp.planning.papers.dry_run_cells import CELLS, cell_text, run_dry_run, write_record  # noqa: E402
 from megatron_pp.planning.reproduce import PAPERS, SmallScale, check_document, document_tables, reproduce  # noqa: E402
+
+
+def dry_run_cells(papers, keys: str, extra: str) -> int:
+    """Regenerate the dry-run JSONs of the memory cells (megatron_pp/planning/papers/dry_run_cells.py)."""
+    try:
+        extra_ranks = [int(r) for r in extra.split(",") if r]
+    except ValueError:
+        print(f"reproduce.py: error: --dry-run-extra-ranks takes pipeline ranks like 0,11, got {extra!r}",
+              file=sys.stderr)
+        return 2
+    known = {cell.key for paper in papers for cell in CELLS.get(paper, ())}
+    wanted = known if keys == "all" else set(keys.split(","))
+    if not known or wanted - known:
+        print(f"reproduce.py: error: --dry-run-cells: unknown cell(s) {', '.join(sorted(wanted - known)) or keys}; "
+              f"{', '.join(papers)} has {', '.join(sorted(known)) or 'none'}", file=sys.stderr)
+        return 2
+    for paper in papers:
+        if not any(cell.key in wanted for cell in CELLS.get(paper, ())):
+            continue
+        report = reproduce(paper, quick=True, measure=False)  # every cell with a dry run is in the quick set
+        for job in report.dry_runs:
+            if job.cell.key in wanted:
+                start = time.perf_counter()
+                write_record(job, run_dry_run(job, extra_ranks))
+                print(f"{job.cell.key}: {cell_text(job)} ({time.perf_counter() - start:.0f} s)")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -40,8 +68,16 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="compare the full-scale tables with docs/reproduction.md (implies --no-measure); exit 1 "
                              "naming every cell that differs")
+    parser.add_argument("--dry-run-cells", nargs="?", const="all", default=None, metavar="KEY,KEY",
+                        help="dry-run the job of each memory cell that shows the dry run (all of PAPER's, or these "
+                             "keys) and write docs/results/repro_dry_run_KEY.json; nothing else is computed")
+    parser.add_argument("--dry-run-extra-ranks", default="", metavar="P,P",
+                        help="with --dry-run-cells: also run these pipeline ranks (is the planner's worst the "
+                             "dry run's?)")
     args = parser.parse_args(argv)
     papers = PAPERS if args.paper == "all" else (args.paper,)
+    if args.dry_run_cells is not None:
+        return dry_run_cells(papers, args.dry_run_cells, args.dry_run_extra_ranks)
     if args.check:
         if args.hardware or args.efficiency_file:
             print("reproduce.py: error: --check compares the recorded tables, which use the papers' own hardware "

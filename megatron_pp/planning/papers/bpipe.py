@@ -10,6 +10,7 @@ from megatron_pp.planning.bpipe_estimator import Candidate, Estimate, estimate
 from megatron_pp.planning.memory import stash_bytes
 from megatron_pp.planning.papers.common import (GB, GIB, PaperReport, Row, Setting, efficiency_home, job_for,
                                                 layer_model, load_hardware_profile, load_setting, relative_error)
+from megatron_pp.planning.papers.dry_run_cells import CellJob, cell_text, find_cell, job_flags
 from megatron_pp.planning.papers.small import SmallScale, peak_trend, ratio_trend, tiny_config
 from megatron_pp.schedules.bpipe import default_max_resident
 from megatron_pp.schedules.registry import build_schedule
@@ -37,6 +38,18 @@ def _describe(c: Optional[Candidate]) -> str:
             f"MFU {100 * c.mfu:.0f}%")
 
 
+def _dry_run(report: PaperReport, config: str, variant: str, setting: Setting, c: Optional[Candidate]) -> str:
+    """'; dry run ...' for a cell that shows the dry run of its job (the variant's flags with the K the cell
+    chose), '' for the others."""
+    cell = find_cell("bpipe", config, variant, {})
+    if cell is None or c is None:
+        return ""
+    flags, world = job_flags(cell, {"bpipe-max-resident": c.resident_bound} if c.bpipe else None)
+    job = CellJob(cell, flags, world, setting.tp, setting.dp, c.worst_stage, list(c.stage_peak_bytes))
+    report.dry_runs.append(job)
+    return "; " + cell_text(job)
+
+
 def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "134b"),
                   efficiency_file: Optional[str] = None) -> PaperReport:
     hw, _ = load_hardware_profile(hardware)
@@ -57,7 +70,8 @@ def predict_bpipe(hardware: str = "a100-80gb", models: Sequence[str] = ("96b", "
         report.notes += [w for w in est.warnings if w not in report.notes]
         for v, c in chosen.items():
             report.rows.append(Row(f"GPT-3 {model.upper()}, variant `{v}` of bpipe_gpt3_{model}.yaml",
-                                   "trained in the paper (settings not taken from it)", _describe(c)))
+                                   "trained in the paper (settings not taken from it)",
+                                   _describe(c) + _dry_run(report, f"bpipe_gpt3_{model}", v, settings[v], c)))
         for v in ("bpipe", "bpipe-mb2"):
             a, b = chosen["1f1b"], chosen[v]
             if a is not None and b is not None and a.fits and b.fits:

@@ -81,6 +81,8 @@ class PaperReport:
     rows: list[Row] = field(default_factory=list)
     trends: list[Trend] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    dry_runs: list = field(default_factory=list)
+    """The jobs of the memory cells that show the dry run (papers/dry_run_cells.py `CellJob`); not in to_dict."""
 
     def row_cells(self) -> list[tuple[str, str, str, str]]:
         """The full-scale table as printed: (claim, published, predicted, error) per row."""
@@ -102,7 +104,9 @@ class PaperReport:
         return "\n".join(out).rstrip() + "\n"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["dry_runs"]
+        return out
 
 
 # Hardware profiles and configs ------------------------------------------------------------------------------

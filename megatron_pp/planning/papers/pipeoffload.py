@@ -16,6 +16,7 @@ from megatron_pp.planning.efficiency import HardwareProfile, LayerShape, LayerTi
 from megatron_pp.planning.memory import layer_activation_terms, stage_state_bytes, stash_bytes
 from megatron_pp.planning.papers.common import (GB, GIB, PaperReport, Row, Setting, chunk_costs, load_hardware_profile,
                                                 load_setting, relative_error)
+from megatron_pp.planning.papers.dry_run_cells import CellJob, cell_text, find_cell, job_flags
 from megatron_pp.planning.papers.small import SmallScale, peak_trend, ratio_trend, tiny_config
 from megatron_pp.schedules.ir import Op
 from megatron_pp.schedules.registry import build_schedule
@@ -79,6 +80,8 @@ class Cellular:
     activation: float
     total: float
     k: float
+    rank_activation: tuple[float, ...] = ()
+    """Activation bytes per pipeline rank (the simulated stash peaks); `activation` is their maximum."""
 
     def fits(self, hw: HardwareProfile) -> bool:
         return self.total <= hw.memory_gib * GIB * RESERVE
@@ -138,7 +141,7 @@ def simulate_pipeoffload(model: str, seq: int, variant: str, hw: HardwareProfile
         per_rank_state[schedule.placement[s.stage][0]] += stage_state_bytes(setting.config, s, tp=setting.tp,
                                                                             dp=setting.dp, bf16=True)
     total = max(per_rank_state[r] + sim.peak_bytes[r] for r in range(setting.pp))
-    return Cellular(mfu, max(sim.peak_bytes), total, k)
+    return Cellular(mfu, max(sim.peak_bytes), total, k, tuple(sim.peak_bytes))
 
 
 def _label(model: str, seq: Optional[int] = None) -> str:
@@ -179,6 +182,19 @@ def _assumption_rows(report: PaperReport, model: str, seq: int, hw: HardwareProf
                            f"{base.activation / GB:.1f} GB)", relative_error(alt.activation / GB, float(published[1]))))
 
 
+def _dry_run(report: PaperReport, model: str, seq: int, method: str, got: Cellular) -> str:
+    """'; dry run ...' for a cell that shows the dry run of its job, '' for the others."""
+    cell = find_cell("pipeoffload", f"pipeoffload_{model}", method, {"seq-length": seq})
+    if cell is None:
+        return ""
+    setting = load_setting(cell.config, method, **dict(cell.sets))
+    flags, world = job_flags(cell)
+    worst = got.rank_activation.index(got.activation)
+    job = CellJob(cell, flags, world, setting.tp, setting.dp, worst, list(got.rank_activation))
+    report.dry_runs.append(job)
+    return "; " + cell_text(job)
+
+
 def _figure_15(report: PaperReport, model: str, seq: int, hw: HardwareProfile, pcie: float,
                assumption_rows: bool) -> dict[str, Cellular]:
     published = FIGURE_15[(model, seq)]
@@ -197,7 +213,8 @@ def _figure_15(report: PaperReport, model: str, seq: int, hw: HardwareProfile, p
             continue
         report.rows.append(Row(f"{label} MFU", f"MFU {cell[0]}%, activation {cell[1]} GB", got.text(hw),
                                relative_error(got.mfu, cell[0] / 100)))
-        report.rows.append(Row(f"{label} activation", f"{cell[1]} GB", f"{got.activation / GB:.1f} GB",
+        report.rows.append(Row(f"{label} activation", f"{cell[1]} GB", f"{got.activation / GB:.1f} GB"
+                               + _dry_run(report, model, seq, method, got),
                                relative_error(got.activation / GB, float(cell[1]))))
         if method != "1f1b-i" and isinstance(reference, tuple):
             ratio, published_ratio = got.activation / base.activation, cell[1] / reference[1]
