@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -50,7 +51,13 @@ def dry_run_cells(papers, keys: str, extra: str) -> int:
         for job in report.dry_runs:
             if job.cell.key in wanted:
                 start = time.perf_counter()
-                write_record(job, run_dry_run(job, extra_ranks))
+                try:
+                    record = run_dry_run(job, extra_ranks)
+                except subprocess.CalledProcessError as exc:
+                    print(f"reproduce.py: error: the dry run of cell {job.cell.key} exited {exc.returncode} (its own "
+                          "message above); nothing written", file=sys.stderr)
+                    return 1
+                write_record(job, record)
                 print(f"{job.cell.key}: {cell_text(job)} ({time.perf_counter() - start:.0f} s)")
     return 0
 

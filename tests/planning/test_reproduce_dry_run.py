@@ -140,3 +140,13 @@ def test_reference_attention_keeps_fp32_probabilities():
             _reference(q, k, v, True, p, None, None)
         square = [t for t in saved.values() if t.shape[-2:] == (s, s) and t.numel() == b * n * s * s]
         assert len(square) == count and all(t.dtype == torch.float32 for t in square), p
+
+
+def test_dry_run_cells_bad_input_is_one_line_exit_2(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import reproduce as tool
+
+    assert tool.main(["bpipe", "--dry-run-cells", "no_such_cell"]) == 2
+    assert tool.main(["bpipe", "--dry-run-cells", "--dry-run-extra-ranks", "last"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no_such_cell" in err[0] and "--dry-run-extra-ranks" in err[1]
