@@ -637,7 +637,8 @@ RENDERERS["planner-low-in-backward"] = ("docs/results/planner_vs_dry_run_llama3_
 RENDERERS["planner-low-in-optimizer"] = ("docs/results/planner_vs_dry_run_llama3_70b.json", planner_low_in_optimizer)
 
 
-BPIPE_DRY_RUNS = ("docs/results/bpipe_dry_run_96b_p4.json", "docs/results/bpipe_dry_run_96b_p8.json")
+BPIPE_DRY_RUNS = ("docs/results/bpipe_dry_run_96b_p4.json", "docs/results/bpipe_dry_run_96b_p8_80layers.json",
+                  "docs/results/bpipe_dry_run_96b_p8.json")
 RENDERERS["bpipe-dry-run"] = (BPIPE_DRY_RUNS, bp.dry_run_bound_table)
 RENDERERS["bpipe-dry-run-worst"] = (BPIPE_DRY_RUNS, bp.dry_run_worst_sentence)
 RENDERERS["bpipe-dry-run-gap"] = (BPIPE_DRY_RUNS, bp.dry_run_gap_sentence)
