@@ -154,7 +154,8 @@ def run_dry_run(job: CellJob, extra_ranks: Sequence[int] = ()) -> dict:
             raw = json.load(f)
     rows = raw["ranks"] if isinstance(raw, dict) else raw
     return {
-        "command": f"python tools/reproduce.py {_paper(job.cell)} --dry-run-cells {job.cell.key}",
+        "command": f"python tools/reproduce.py {_paper(job.cell)} --dry-run-cells {job.cell.key}"
+                   + (f" --dry-run-extra-ranks {','.join(map(str, extra_ranks))}" if extra_ranks else ""),
         "dry_run_command": "python " + " ".join(argv),
         "config": job.cell.config, "variant": job.cell.variant, "sets": dict(job.cell.sets),
         "flags": job.flags, "world": job.world, "figure": job.cell.figure,
