@@ -363,6 +363,27 @@ def autogroup_nice() -> int | None:
         return None
 
 
+def scheduling_state() -> tuple[int, int, int, int | None]:
+    """(policy, real-time priority, nice value, autogroup nice) of this process, for `restore_scheduling`."""
+    return (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority, os.getpriority(os.PRIO_PROCESS, 0),
+            autogroup_nice())
+
+
+def restore_scheduling(state: tuple[int, int, int, int | None]) -> None:
+    """Put every thread of this process (and its autogroup) back as `scheduling_state` found them. The ranks
+    of a test run are pooled worker processes that later tests reuse for real training: left real-time, their
+    busy compute would take the cores from everything else on the host."""
+    policy, priority, nice, group = state
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(priority))
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except (OSError, AttributeError):
+            pass  # a thread that ended meanwhile, or nothing was raised (no rights)
+    if group is not None and autogroup_nice() != group:
+        set_autogroup_nice(group)
+
+
 HIDDEN, SEQ, VOCAB = 8, 4, 16
 
 
@@ -444,26 +465,30 @@ def worker_emulate(ctx, schedule: Schedule, costs: list[CostModel], steps: int,
         _EMULATED[key] = (chunks, executor, Emulator(executor, schedule, costs[0], account=account, sent=sent),
                           emulated_batches(schedule.num_microbatches))
     chunks, executor, emulator, batches = _EMULATED[key]
+    before = scheduling_state()
     prioritised = raise_priority()  # again each call: threads started since (gloo's) inherit nothing earlier
     realtime = make_realtime()
-    tight = tighten_timer_slack()
-    tokens = float(sum(b["loss_mask"].sum() for b in batches))
-    out = []
-    for model in costs:
-        emulator.costs = model
-        out.append([])
-        for _ in range(steps):
-            for chunk in chunks:
-                for p in chunk.parameters():
-                    p.grad = None
-            emulator.reset()
-            result = _step_without_collector(comm, executor, batches, tokens)
-            out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
-                            "copies": emulator.copies, "posts": emulator.posts, "blocking": emulator.blocking,
-                            "load": os.getloadavg()[0],
-                            "prioritised": prioritised, "timer_slack_1ns": tight,
-                            "autogroup_nice": autogroup_nice(), "realtime": realtime,
-                            "receives_ahead": dict(executor.receives_ahead)})
+    try:
+        tight = tighten_timer_slack()
+        tokens = float(sum(b["loss_mask"].sum() for b in batches))
+        out = []
+        for model in costs:
+            emulator.costs = model
+            out.append([])
+            for _ in range(steps):
+                for chunk in chunks:
+                    for p in chunk.parameters():
+                        p.grad = None
+                emulator.reset()
+                result = _step_without_collector(comm, executor, batches, tokens)
+                out[-1].append({"started": result.started, "events": result.events, "compute": emulator.compute,
+                                "copies": emulator.copies, "posts": emulator.posts, "blocking": emulator.blocking,
+                                "load": os.getloadavg()[0],
+                                "prioritised": prioritised, "timer_slack_1ns": tight,
+                                "autogroup_nice": autogroup_nice(), "realtime": realtime,
+                                "receives_ahead": dict(executor.receives_ahead)})
+    finally:
+        restore_scheduling(before)  # the process goes back to whatever runs in it next as it came
     return out
 
 

@@ -201,3 +201,18 @@ def test_emulate_bad_input_is_one_line_before_any_pool(capsys):
     assert len(lines) == 6 and all(line.startswith("trace_vs_sim.py: error: ") for line in lines)
     assert "--costs" in lines[0] and "--microbatches" in lines[1] and "m >= p" in lines[2]
     assert "--steps" in lines[3] and "'po-f'" in lines[4] and "--calibrate-only" in lines[5]
+
+
+def _scheduling(ctx) -> tuple:
+    import os
+
+    return tuple(sorted({(os.sched_getscheduler(int(tid)), os.getpriority(os.PRIO_PROCESS, int(tid)))
+                         for tid in os.listdir("/proc/self/task")}))
+
+
+def test_the_pooled_ranks_leave_an_emulated_run_as_they_came():
+    """The emulator raises its ranks to real time; the pool's processes then serve other tests' real training,
+    which must not run real-time (its busy compute would take both cores from everything else)."""
+    before = run_distributed(4, _scheduling)
+    _run("1f1b", 4)
+    assert run_distributed(4, _scheduling) == before

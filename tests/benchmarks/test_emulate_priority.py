@@ -34,3 +34,22 @@ def test_ranks_run_real_time_and_their_autogroup_at_the_rank_priority():
             assert int(group_nice) == int(priority)
     else:
         assert realtime == "False" and int(after) == int(in_thread) == os.SCHED_OTHER
+
+
+RESTORE = """
+import os
+from megatron_pp.benchmarks.emulate import (autogroup_nice, make_realtime, raise_priority, restore_scheduling,
+                                            scheduling_state)
+saved = scheduling_state()
+raise_priority(); make_realtime()
+restore_scheduling(saved)
+print(saved == scheduling_state(), os.sched_getscheduler(0) == os.SCHED_OTHER)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling")
+def test_restore_puts_policy_nice_and_autogroup_back():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", RESTORE], cwd=root, capture_output=True, text=True, check=True,
+                         start_new_session=True)
+    assert out.stdout.split() == ["True", "True"]
