@@ -1,5 +1,5 @@
 """Figures docs/dry_run.md's prose quotes from the dry runs' JSON (`tools/dry_run_table.py`), beside the
-tables that show the same rows (tools/doc_renderers.py registers them). A rank's planner figure is the one
+tables that show the same rows (dev/doc_renderers.py registers them). A rank's planner figure is the one
 recorded with its run (`planner.memory_bytes` per pipeline rank); "low" is 1 − planner / dry run.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Renderers of the zero-bubble rows of docs/dry_run.md (registered in tools/doc_renderers.py): the dry run of
+"""Renderers of the zero-bubble rows of docs/dry_run.md (registered in dev/doc_renderers.py): the dry run of
 the split-backward families (zb-h1, zb-v, v-half) at full size beside the planner, from `tools/dry_run_table.py`
 JSON files."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The formatting helpers every renderer of tools/render_docs.py shares (tools/doc_renderers.py and its
+"""The formatting helpers every renderer of dev/render_docs.py shares (dev/doc_renderers.py and its
 doc_renderers_*.py modules import them from here, so that any of them can be imported first).
 """
 from __future__ import annotations

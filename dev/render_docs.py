@@ -1,7 +1,7 @@
 """Render every measured or computed figure in README.md and docs/ from its committed JSON, or check that it is.
 
-    python tools/render_docs.py --check      # exit 1, naming page, line and renderer, where a page disagrees
-    python tools/render_docs.py --write      # rewrite the text between the markers from the JSON
+    python dev/render_docs.py --check      # exit 1, naming page, line and renderer, where a page disagrees
+    python dev/render_docs.py --write      # rewrite the text between the markers from the JSON
 
 A figure in a page sits between two markers, on lines of their own for a table or a paragraph:
 
@@ -19,7 +19,7 @@ edited by hand, or whose JSON was re-measured without `--write`, fails by name. 
 the one the registry names (a page always says where its number comes from), every renderer must be used
 by some page, and a marker with no renderer fails too.
 
-Adding a table: write one function in tools/doc_renderers.py (or in one of the doc_renderers_*.py modules
+Adding a table: write one function in dev/doc_renderers.py (or in one of the doc_renderers_*.py modules
 it imports, one per page family: BPipe estimates, reproduction at a glance, benchmark prose) that takes the
 parsed JSON and returns the markdown, add one line to its RENDERERS (name -> (JSON path under docs/results/, function); a table drawn
 from several files names a tuple of paths, its function takes one parsed JSON per path, and its marker lists
@@ -98,7 +98,7 @@ def render_page(text: str, page: str, root: str = ROOT, used: set | None = None
         if used is not None:
             used.add(name)
         if name not in RENDERERS:
-            problems.append(f"{where}: no such renderer in tools/doc_renderers.py (known: {len(RENDERERS)})")
+            problems.append(f"{where}: no such renderer in dev/doc_renderers.py (known: {len(RENDERERS)})")
             return match[0]
         expected = ", ".join(source_list(RENDERERS[name][0]))
         if source != expected:
@@ -143,7 +143,7 @@ def run(root: str = ROOT, write: bool = False) -> list[str]:
             with open(path + ".tmp", "w") as f:
                 f.write(new_text)
             os.replace(path + ".tmp", path)
-    problems += [f"tools/doc_renderers.py: renderer {name} ({', '.join(source_list(source))}) is used by no page"
+    problems += [f"dev/doc_renderers.py: renderer {name} ({', '.join(source_list(source))}) is used by no page"
                  for name, (source, _) in RENDERERS.items() if name not in used]
     return problems
 

@@ -1,4 +1,4 @@
-"""Renderers of the planner-against-emulation figures of docs/schedules.md (registered in tools/doc_renderers.py):
+"""Renderers of the planner-against-emulation figures of docs/schedules.md (registered in dev/doc_renderers.py):
 `tools/trace_vs_sim.py --emulate --plan ...` JSON (megatron_pp/benchmarks/emulate_plan.py)."""
 from __future__ import annotations
 

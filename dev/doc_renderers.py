@@ -1,8 +1,8 @@
-"""The renderers of tools/render_docs.py: one function per figure (parsed JSON in, markdown out) and RENDERERS,
+"""The renderers of dev/render_docs.py: one function per figure (parsed JSON in, markdown out) and RENDERERS,
 the registry that names each one's JSON under docs/results/.
 
 Adding a table: one function here, one line in RENDERERS, the two markers in the page, then
-`python tools/render_docs.py --write` (its docstring has the marker syntax). Renderers only format: a
+`python dev/render_docs.py --write` (its docstring has the marker syntax). Renderers only format: a
 number a page shows is a number its JSON holds (rounded), never one computed here from several.
 """
 from __future__ import annotations

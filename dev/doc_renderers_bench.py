@@ -1,4 +1,4 @@
-"""Figures that docs/benchmarks.md, docs/layered.md and docs/gpu.md quote in their prose from a benchmark's JSON (tools/doc_renderers.py
+"""Figures that docs/benchmarks.md, docs/layered.md and docs/gpu.md quote in their prose from a benchmark's JSON (dev/doc_renderers.py
 registers them; the helpers there format). Each takes the parsed JSON and returns the words between the
 markers; a ratio is at most the ratio of two recorded numbers.
 """

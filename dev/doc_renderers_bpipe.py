@@ -1,5 +1,5 @@
 """The renderers of docs/bpipe.md's estimator tables and of the BPipe figures in docs/reproduction.md
-(tools/doc_renderers.py registers them; tools/doc_format.py formats).
+(dev/doc_renderers.py registers them; dev/doc_format.py formats).
 
 Each estimator JSON is what `tools/estimate_bpipe.py ... --json` wrote: a list of one report per layout
 (`job`, `best_plain`, `best_bpipe`, `speedup`, `candidates` as rows of `candidate_fields`). The tool picks the
@@ -252,7 +252,9 @@ def estimate_printout(data: list) -> str:
     import os
     import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    sys.path.insert(0, os.path.join(root, "tools"))  # the user tool whose printout this is
     import estimate_bpipe as tool
     from megatron_pp.models.config import TransformerConfig
     from megatron_pp.planning.bpipe_estimator import Candidate, Estimate, Job

@@ -1,4 +1,4 @@
-"""Renderers of docs/dry_run.md and docs/planner.md (registered in tools/doc_renderers.py): the per-rank table
+"""Renderers of docs/dry_run.md and docs/planner.md (registered in dev/doc_renderers.py): the per-rank table
 and the timing sentence of a `tools/dry_run_table.py` JSON, and the planner beside the dry runs of several
 configurations (`tools/validate_planner.py --dry-run-json`)."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Figures docs/schedules.md's prose quotes from the simulated schedules of `tools/plot_schedule.py
 --compare ... --json FILE` (a list of simulated schedules, or one), so the prose and the tables beside it
-read the same JSON (tools/doc_renderers.py registers them).
+read the same JSON (dev/doc_renderers.py registers them).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The selection rules of the renderers behind docs/bpipe.md's estimator tables and docs/reproduction.md's
-rows (tools/doc_renderers_bpipe.py, tools/doc_renderers_glance.py), on small made-up JSON: which layout's
+rows (dev/doc_renderers_bpipe.py, dev/doc_renderers_glance.py), on small made-up JSON: which layout's
 configuration a re-tuned cell names, which rows merge, which rows a paragraph quotes, and that a selection
 matching nothing fails by name instead of rendering an empty figure."""
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import doc_renderers_bpipe as bp  # noqa: E402  (before the registry: the modules import in any order)
 import doc_renderers_glance as glance  # noqa: E402

@@ -1,4 +1,4 @@
-"""tools/render_docs.py: every marked figure in README.md and docs/ agrees with its committed JSON, and a page
+"""dev/render_docs.py: every marked figure in README.md and docs/ agrees with its committed JSON, and a page
 that disagrees is named (page, line, renderer), as is a marker naming the wrong JSON or no renderer."""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import render_docs  # noqa: E402
 from doc_renderers import RENDERERS  # noqa: E402

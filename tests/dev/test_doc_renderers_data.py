@@ -1,4 +1,4 @@
-"""tools/doc_renderers_data.py on small made-up JSON: the demo corpus's sentence names every split that has
+"""dev/doc_renderers_data.py on small made-up JSON: the demo corpus's sentence names every split that has
 documents, a row selection matching no result (or two) fails by name, numbers in scientific notation carry no
 padded exponent, and a figure whose JSON says something other than the usual case says that instead."""
 import os
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import doc_renderers_data as data_docs  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The figures docs/data.md and README.md quote about the demo corpus, read from docs/results/demo_corpus.json
 (written by `python -m megatron_pp.data.demo_corpus runs/demo-data --stats-json docs/results/demo_corpus.json`,
-the demo's data step; tools/doc_renderers.py registers them). Each takes the parsed JSON and returns the phrase
+the demo's data step; dev/doc_renderers.py registers them). Each takes the parsed JSON and returns the phrase
 that stands between the page's markers; nothing is computed but unit changes.
 """
 from __future__ import annotations

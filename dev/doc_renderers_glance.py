@@ -1,5 +1,5 @@
 """docs/reproduction.md's "At a glance" table and the figures its prose quotes, from the rows of
-`tools/reproduce.py all --check --json docs/results/reproduce_full.json` (tools/doc_renderers.py registers them).
+`tools/reproduce.py all --check --json docs/results/reproduce_full.json` (dev/doc_renderers.py registers them).
 
 Each paper names a few groups of its rows (a regular expression on the row's claim) and what to show of each
 group: the rows' predicted figures one by one (`each`), their range (`span`), or the range of their recorded

@@ -1,7 +1,7 @@
 """The figures docs/planner.md's "Accuracy on CPU" prose quotes from `tools/validate_planner.py`'s JSON
 (docs/results/planner_validation.json): the range of step-time errors, how far one configuration's
 iterations spread, the largest stash error, and how the planner's inputs drifted over the run
-(tools/doc_renderers.py registers them). Errors are predicted / measured − 1, as in the table beside them.
+(dev/doc_renderers.py registers them). Errors are predicted / measured − 1, as in the table beside them.
 """
 from __future__ import annotations
 

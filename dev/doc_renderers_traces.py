@@ -1,5 +1,5 @@
 """The figures docs/schedules.md's prose quotes from the traced real runs of `tools/trace_vs_sim.py` (the
-section "The simulator against real runs"), read from the runs' JSON (tools/doc_renderers.py registers them).
+section "The simulator against real runs"), read from the runs' JSON (dev/doc_renderers.py registers them).
 
 Each renderer takes one or more reports (`{"runs": [...], "target_relative_error": ...}`) and returns the
 phrase that stands in the page; nothing is computed beyond minima, maxima and counts over the recorded runs.
