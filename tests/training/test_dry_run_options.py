@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 
 import pytest
 
 from megatron_pp.training import dry_run
 from megatron_pp.training.arguments import parse_args
 from tests.dist import run_distributed
+from tests.schedules import test_plugins
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -22,21 +22,10 @@ from torch_schedule_csv import write_torch_csv  # noqa: E402
 
 BASE = ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
         "--lr", "1e-3", "--seed", "7"]
-PLUGIN = textwrap.dedent('''
-    from megatron_pp.schedules.generators import interleaved_1f1b
-    from megatron_pp.schedules.offload import add_offload
-    from megatron_pp.schedules.registry import register_option, register_schedule
-
-
-    def offloaded_interleaved(num_ranks, num_microbatches, num_chunks, dry_plugin_offloaded_chunks=1):
-        return add_offload(interleaved_1f1b(num_ranks, num_microbatches, num_chunks), dry_plugin_offloaded_chunks)
-
-
-    register_option("dry_plugin_offloaded_chunks", "--dry-plugin-offloaded-chunks", int,
-                    "test plugin: chunks per rank whose stashes go to host memory")
-    register_schedule("dry-offloaded-interleaved", offloaded_interleaved, supports_virtual=True,
-                      description="a plugin: interleaved 1F1B with its first chunk offloaded")
-''')
+# tests/schedules/test_plugins.py's plugin under names of its own: both files' tests may load it in one process.
+PLUGIN = (test_plugins.PLUGIN.replace("test-offloaded-interleaved", "dry-offloaded-interleaved")
+          .replace("plugin_offloaded_chunks", "dry_plugin_offloaded_chunks")
+          .replace("--plugin-offloaded-chunks", "--dry-plugin-offloaded-chunks"))
 BYTES = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "stash_peak_bytes", "host_peak_bytes")
 
 
