@@ -57,10 +57,6 @@ _DEVICE_OF = torch.ops.prim.device.default
 _HOLDS_A_STORAGE = {torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
 
 
-class DryRunError(ValueError):
-    """The job cannot be dry-run as asked (one line, exit 2)."""
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -473,11 +469,7 @@ def main(args: argparse.Namespace) -> int:
     if comm.backend_name() != "none":
         print("error: --dry-run runs in one process: do not launch it with torchrun or srun")
         return 2
-    try:
-        reports, problems = dry_run(args)
-    except DryRunError as err:
-        print(f"error: {err}")
-        return 2
+    reports, problems = dry_run(args)
     rows = [r.row() for r in reports]
     print(f"dry run: world {args.dry_run} = tp {args.tensor_model_parallel_size} x pp "
           f"{args.pipeline_model_parallel_size} x dp {args.dry_run // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)}, "
