@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", default="equal,split", help="--emulate: cost sets, comma-separated (equal, split)")
     parser.add_argument("--unit-ms", type=float, default=20.0, help="--emulate: one forward, in milliseconds")
     parser.add_argument("--steps", type=int, default=2, help="--emulate: measured steps after one warm-up step")
+    parser.add_argument("--replay", action="store_true",
+                        help="--emulate: instead of the grid's rows, run each (schedule, m, costs) once and replay it in "
+                             "the simulator with each message's measured latency (megatron_pp/benchmarks/"
+                             "emulate_replay.py), into --json")
     parser.add_argument("--calibrate-only", action="store_true",
                         help="--emulate: only the host-cost calibration each grid runs first per --pp (1f1b, m = p, "
                              "equal costs, at --unit-ms: megatron_pp/benchmarks/emulate_calibrate.py), into --json")
@@ -343,6 +347,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UsageError("--plan needs --emulate")
         if args.calibrate_only and (not args.emulate or args.plan):
             raise UsageError("--calibrate-only needs --emulate and no --plan")
+        if args.replay and (not args.emulate or args.plan or args.calibrate_only):
+            raise UsageError("--replay needs --emulate and neither --plan nor --calibrate-only")
         if args.emulate and args.plan:
             cases = plan_cases(args)  # every plan made and its lists built before the first pool starts
         elif args.emulate:
@@ -366,6 +372,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_pp.benchmarks.emulate_report import run_plan_emulation
 
         return run_plan_emulation(args, cases, argv)
+    if args.emulate and args.replay:
+        from megatron_pp.benchmarks.emulate_replay import run_replay
+
+        return run_replay(args, plan, argv)
     if args.emulate:
         return run_emulation(args, plan, argv)
     import torch

@@ -135,20 +135,26 @@ def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: li
 
 def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calibration: dict | None = None) -> dict:
     """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)` with the
-    calibration's host costs and latency (`simulated_*`, what the targets compare) and without (`ideal_*`, the
-    schedule's own timeline: the same as `simulated_*` without a calibration)."""
-    from megatron_pp.benchmarks.emulate_calibrate import with_host_costs
+    calibration's host costs and latencies drawn from its percentiles (`simulated_*`, what the targets compare:
+    `emulate_calibrate.drawn_simulation`), with its median latency for every message (`median_latency_*`;
+    also `simulated_*` for a calibration without percentiles), and without either (`ideal_*`, the schedule's
+    own timeline: the same as `simulated_*` without a calibration)."""
+    from megatron_pp.benchmarks.emulate_calibrate import drawn_simulation, with_host_costs
 
     ideal = simulate(schedule, costs)
-    sim = simulate(schedule, with_host_costs(costs, calibration)) if calibration is not None else ideal
+    at_median = simulate(schedule, with_host_costs(costs, calibration)) if calibration is not None else ideal
+    sim_step, sim_bubble = at_median.makespan, at_median.bubble_fraction
+    if calibration is not None and calibration.get("latency_ms_percentiles"):
+        sim_step, sim_bubble = drawn_simulation(schedule, costs, calibration)
     per_step = [{**measure(step), "path": critical_path(schedule, step)} for step in steps[1:]]
     step = statistics.median(x["step_s"] for x in per_step)
     bubble = statistics.median(x["bubble"] for x in per_step)
     loads = [rank["load"] for s in steps for rank in s[:1]]
     row = {"pp": schedule.num_ranks, "schedule": schedule.name, "chunks": schedule.num_chunks,
-           "microbatches": schedule.num_microbatches, "measured_step_s": step, "simulated_step_s": sim.makespan,
-           "measured_bubble": bubble, "simulated_bubble": sim.bubble_fraction, "step_error": step / sim.makespan - 1,
-           "bubble_error": (bubble - sim.bubble_fraction) / sim.bubble_fraction if sim.bubble_fraction else None,
+           "microbatches": schedule.num_microbatches, "measured_step_s": step, "simulated_step_s": sim_step,
+           "measured_bubble": bubble, "simulated_bubble": sim_bubble, "step_error": step / sim_step - 1,
+           "bubble_error": (bubble - sim_bubble) / sim_bubble if sim_bubble else None,
+           "median_latency_step_s": at_median.makespan, "median_latency_bubble": at_median.bubble_fraction,
            "ideal_step_s": ideal.makespan, "ideal_bubble": ideal.bubble_fraction,
            "ideal_step_error": step / ideal.makespan - 1,
            "steps_s": [x["step_s"] for x in per_step], "bubbles": [x["bubble"] for x in per_step],

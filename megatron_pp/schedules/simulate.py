@@ -227,9 +227,16 @@ class _RankState:
     """`runtime.hosting_bound` of the rank's list: an ACCEPT beyond it waits for the oldest returned guest."""
 
 
+MessageLatency = Callable[[int, int, int], float]
+"""(sender, receiver, k) -> time from the k-th send on that link being posted to its data being in."""
+
+
 @whole_schedule_pass
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
-    """Time `schedule` (with its communication inserted) under `costs` (default `CostModel()`).
+def simulate(schedule: Schedule, costs: CostModel | None = None, latencies: MessageLatency | None = None,
+             extra: Mapping[tuple[int, str], float] | None = None) -> SimResult:
+    """Time `schedule` (with its communication inserted) under `costs` (default `CostModel()`). For a replay
+    of a measured run (`benchmarks.emulate_replay`): `latencies` gives each message its own latency in place
+    of `costs.p2p_latency`, `extra` adds time to single compute actions, keyed (rank, str(action)).
 
     Raises ScheduleError if some rank waits for a message that never comes; run `validate` first for a
     precise diagnosis.
@@ -242,7 +249,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     # Per link, when each message sent on it is at the receiver, in order: a rank posts its sends on a link
     # in list order, so the k-th entry is the k-th message.
     arrival: list[list[float]] = [[] for _ in range(num_links)]
-    durations = _Durations(schedule, costs)
+    durations = _Durations(schedule, costs, extra)
 
     # A rank only waits here for a receive whose sender has not posted yet, so a posting wakes the
     # receiver and nothing else is looked at again (`Wakeups` keeps the order of the pass loop, which
@@ -268,7 +275,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                 end += 1
             batch = sides[i:end]
             if state.posted_at is None:
-                _post_sends(state, batch, arrival, latency, costs.host_post, wakeups)
+                lag = latency if latencies is None else (lambda peer, k, r=rank: latencies(r, peer, k))
+                _post_sends(state, batch, arrival, lag, costs.host_post, wakeups)
             # The replay needs the arrival times to go on; the simulated rank itself does not wait here:
             # each consumer waits for its own receive only (`_run_compute`).
             if any(side & 1 and len(arrival[side >> 1]) <= k for side, k, _, _ in batch):
@@ -292,19 +300,19 @@ def _check_costs(schedule: Schedule, costs: CostModel) -> None:
                              f"{schedule.num_stages} stages")
 
 
-def _post_sends(state: "_RankState", batch, arrival: list[list[float]], latency: float, host_post: float,
-                wakeups: "Wakeups") -> None:
+def _post_sends(state: "_RankState", batch, arrival: list[list[float]], latency: float | Callable[[int, int], float],
+                host_post: float, wakeups: "Wakeups") -> None:
     """Post a communication batch: its sends leave now (an even side sends, see `Side`), each arriving on its
-    link after `latency`, and wake their receivers. With a `host_post` time, the sends are posted first, one
-    after the other, each leaving once its own post is done, then the receives; the rank's clock moves on by
-    the whole batch's posts."""
+    link after `latency` (or `latency(peer, k)` for its k-th message to that peer), and wake their receivers.
+    With a `host_post` time, the sends are posted first, one after the other, each leaving once its own post
+    is done, then the receives; the rank's clock moves on by the whole batch's posts."""
     state.posted_at = state.clock
     posted = state.clock
-    for side, _, peer, _ in batch:
+    for side, k, peer, _ in batch:
         if not side & 1:
             if host_post:
                 posted += host_post
-            arrival[side >> 1].append(posted + latency)
+            arrival[side >> 1].append(posted + (latency(peer, k) if callable(latency) else latency))
             wakeups.wake(peer)
     if host_post:
         state.clock += host_post * len(batch)
@@ -348,8 +356,8 @@ class _Durations:
     """Compute durations and stash sizes of one simulation, per (op, global stage) and asked once each:
     the replay needs them for every action, the cost model computes them the same way every time."""
 
-    def __init__(self, schedule: Schedule, costs: CostModel):
-        self.schedule, self.costs = schedule, costs
+    def __init__(self, schedule: Schedule, costs: CostModel, extra: Mapping[tuple[int, str], float] | None = None):
+        self.schedule, self.costs, self.extra = schedule, costs, extra
         self._time: dict[tuple[Op, int, int], tuple[int, float, float]] = {}
 
     def compute(self, rank: int, op: Op, chunk: int) -> tuple[int, float, float]:
@@ -428,6 +436,8 @@ def _run_compute(rank: int, index: int, action: Action, durations: _Durations, s
                                 f"{state.away[key][0].value} and never brought back")
         start = max(start, state.back_at.pop(key, start))
     _, duration, size = durations.compute(rank, op, action.chunk)
+    if durations.extra:
+        duration += durations.extra.get((rank, str(action)), 0.0)
     state.busy += duration
     if op is Op.F:
         state.ledger.change(start, +1, size)

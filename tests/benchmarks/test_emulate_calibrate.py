@@ -82,3 +82,45 @@ def test_rows_simulate_with_the_calibration_and_keep_the_ideal_beside_it():
     assert row["simulated_bubble"] == with_host.bubble_fraction
     assert row["step_error"] == pytest.approx(row["measured_step_s"] / with_host.makespan - 1)
     assert compare(schedule, CostModel(), steps)["simulated_step_s"] == row["ideal_step_s"]
+
+
+def test_percentiles_and_draws_read_off_them():
+    """101 points from the least to the largest sample; a draw is a uniform u in [0, 100) read off them, linear
+    between: with the points 0, 1, ..., 100 ms that is u ms itself."""
+    import random
+
+    from megatron_pp.benchmarks.emulate_calibrate import latency_draw, percentiles
+
+    points = percentiles([float(x) for x in range(101)])
+    assert points == pytest.approx([float(x) for x in range(101)])
+    draw, rng = latency_draw(points, seed=3), random.Random(3)
+    for k in range(5):
+        assert draw(0, 1, k) == pytest.approx(rng.random() * 100 / 1e3)
+
+
+def test_rows_compare_the_mean_over_drawn_latencies():
+    """With every percentile at 200 ms the draws are all 0.2 s: the drawn simulation is the one-latency one. With
+    a spread (half the points at 0, half at 400 ms: the same median of 200 ms), the lists of 1F1B p = 2, m = 1
+    cross two hops, so the mean step over draws differs from the median's, and the row compares that mean."""
+    from megatron_pp.benchmarks.emulate_calibrate import LATENCY_DRAWS, drawn_simulation, latency_draw
+
+    schedule = build_schedule("1f1b", 2, 1)
+    base = {"host_compute_ms": 100.0, "host_post_ms": 10.0, "p2p_latency_ms": 200.0}
+    flat = {**base, "latency_ms_percentiles": [200.0] * 101}
+    at_median = simulate(schedule, CostModel(host_compute=0.1, host_post=0.01, p2p_latency=0.2))
+    assert drawn_simulation(schedule, CostModel(), flat) == (pytest.approx(at_median.makespan),
+                                                             pytest.approx(at_median.bubble_fraction))
+    spread = {**base, "latency_ms_percentiles": [0.0] * 50 + [200.0] + [400.0] * 50}
+    by_hand = []
+    for seed in range(LATENCY_DRAWS):
+        draw = latency_draw(spread["latency_ms_percentiles"], seed)
+        first, second = draw(0, 1, 0), draw(1, 0, 0)  # F's activation, then B's gradient
+        by_hand.append(at_median.makespan - 0.4 + first + second)
+    step, _ = drawn_simulation(schedule, CostModel(), spread)
+    assert step == pytest.approx(sum(by_hand) / len(by_hand)) and step != pytest.approx(at_median.makespan)
+    steps = [ONE_MICROBATCH, ONE_MICROBATCH]
+    for record, rank_events in zip(ONE_MICROBATCH, ([0.0, 7.1], [0.0, 4.7])):
+        record.update(started=0.0, events=[("x", *rank_events)], copies=[], load=1.0)
+    row = compare(schedule, CostModel(), steps, spread)
+    assert row["simulated_step_s"] == pytest.approx(step)
+    assert row["median_latency_step_s"] == pytest.approx(at_median.makespan)
