@@ -96,9 +96,23 @@ def replay_row(schedule: Schedule, costs: CostModel, steps: list[list[dict]], ca
             "replayed_bubble": med["replayed_bubble"], "replayed_with_overruns_bubble": med["replayed_overruns_bubble"],
             "drawn_latency_step_s": drawn and drawn[0], "drawn_latency_bubble": drawn and drawn[1],
             "drawn_latency_error": drawn and med["measured"] / drawn[0] - 1,
+            "gap_ms_by_posts": gap_table(steps, model),
             "calibrated_latency_ms": calibration["p2p_latency_ms"],
             "waited_latency_median_ms": 1e3 * med["waited_median"], "waited_latency_mean_ms": 1e3 * med["waited_mean"],
             "steps": per_step}
+
+
+def gap_table(steps: list[list[dict]], model: CostModel) -> dict[str, list[float]]:
+    """Per number of posts in a gap between two compute actions of a rank: [gaps, their median ms, what the
+    calibrated simulation charges, host_compute + n * host_post, in ms], over the measured steps."""
+    from megatron_pp.benchmarks.emulate_calibrate import gap_samples
+
+    groups: dict[int, list[float]] = {}
+    for step in steps:
+        for n, gap in gap_samples(step):
+            groups.setdefault(n, []).append(gap)
+    return {str(n): [len(g), 1e3 * statistics.median(g), 1e3 * (model.host_compute + n * model.host_post)]
+            for n, g in sorted(groups.items())}
 
 
 def waited_latencies(schedule: Schedule, per_rank: list[dict], host_post: float) -> list[float]:

@@ -78,6 +78,10 @@ def test_replay_row_reads_the_measured_step_and_the_errors():
     assert row["replayed_error"] == pytest.approx(7.6 / 7.3 - 1)
     assert row["replayed_bubble"] == pytest.approx(1 - 3.0 / 7.3)  # each rank busy F + B = 3
     assert row["waited_latency_mean_ms"] == pytest.approx(500.0)  # both consumers were called before the send
+    # Rank 0's gap F0 -> B0 (1.0 to 1.5) holds two posts (at 1.1; its first receive was posted at the start),
+    # charged H + 2Q = 0.2; rank 1's F0 -> B0 (2.5 to 2.6) none, charged H.
+    assert row["gap_ms_by_posts"] == {"0": [1, pytest.approx(100.0), pytest.approx(100.0)],
+                                      "2": [1, pytest.approx(500.0), pytest.approx(200.0)]}
 
 
 def test_waited_latencies_leave_out_consumers_called_after_the_send():
