@@ -148,12 +148,14 @@ def emulate_calibration_table(*reports: dict) -> str:
         for pp, c in sorted(report["calibration"].items(), key=lambda kv: int(kv[0])):
             quartiles = c["latency_ms_quartiles"]
             spread = f" ({num(quartiles[0], 3)}–{num(quartiles[2], 3)})" if quartiles else ""
+            if "p2p_latency_mean_ms" in c:
+                spread += f", mean {num(c['p2p_latency_mean_ms'], 3)}"
             out.append([pp, f"{c['schedule']}, m = {c['microbatches']}, equal", num(c["unit_ms"], 0),
                         num(c["host_compute_ms"], 3), num(c["host_post_ms"], 3),
                         num(c["p2p_latency_ms"], 3) + spread, f"{c['gaps']} · {c['latency_samples']}",
                         num(c["overrun_ms"], 3), f"{c['load_average'][0]:.0f}–{c['load_average'][1]:.0f}"])
     return table(["p", "calibration run", "unit ms", "host per compute action, ms", "host per posted send or "
-                  "receive, ms", "latency, ms (quartiles)", "gaps · waited inputs", "late wake-up, ms (not charged)",
+                  "receive, ms", "latency, ms: median (quartiles), mean", "gaps · waited inputs", "late wake-up, ms (not charged)",
                   "load average"], out)
 
 
@@ -193,3 +195,47 @@ def emulate_misses(*reports: dict) -> str:
         if misses:
             parts.append(f"p = {pp}: " + ", ".join(misses))
     return "; ".join(parts) or "none"
+
+
+# The replays (tools/trace_vs_sim.py --emulate --replay ...: megatron_pp/benchmarks/emulate_replay.py) ---------
+
+
+def emulate_replay_table(*reports: dict) -> str:
+    """Per replayed row (one run each): the measured step against the simulation with the calibration's median
+    latency for every message, with latencies drawn from its percentiles, and the replays with each message's
+    measured latency (and each action's measured overrun too), as 'simulated s (measured / simulated − 1)';
+    the bubbles, measured / median latency / replayed / replayed with overruns; the latencies of the messages
+    a consumer waited for (median and mean, ms) beside the calibration's median; per number of posts in a
+    gap, the row's median gap against what the calibrated simulation charges (ms); the load average."""
+    def cell(r: dict, key: str) -> str:
+        return "–" if r.get(key + "_step_s") is None else (
+            f"{num(r[key + '_step_s'], 3)} ({pct(r[key + '_error'], 1, sign=True)})")
+
+    out = []
+    for report in reports:
+        for r in report["rows"]:
+            gaps = "; ".join(f"{n}: {num(g[1], 2)} / {num(g[2], 2)}" for n, g in r["gap_ms_by_posts"].items())
+            out.append([r["schedule"], str(r["pp"]), str(r["microbatches"]), num(r["measured_step_s"], 3),
+                        cell(r, "median_latency"), cell(r, "drawn_latency"), cell(r, "replayed"),
+                        cell(r, "replayed_with_overruns"),
+                        " / ".join(num(r[k], 3) for k in ("measured_bubble", "median_latency_bubble",
+                                                          "replayed_bubble", "replayed_with_overruns_bubble")),
+                        f"{num(r['waited_latency_median_ms'], 2)} · {num(r['waited_latency_mean_ms'], 2)} "
+                        f"({num(r['calibrated_latency_ms'], 2)})", gaps, f"{r['load_average']:.0f}"])
+    return table(["schedule", "p", "m", "measured step s", "simulated, median latency (error)",
+                  "simulated, drawn latencies (error)", "replayed, measured latencies (error)",
+                  "replayed, and measured overruns (error)",
+                  "bubble: measured / median latency / replayed / and overruns",
+                  "waited latency ms, median · mean (calibration's median)",
+                  "median gap ms per posts in it, measured / charged", "load average"], out)
+
+
+def emulate_median_targets(*reports: dict) -> str:
+    """Per p, the rows within both targets against the simulation with the calibration's median latency for
+    every message (`median_latency_*`, the rule before the drawn latencies): 'p = 4: 52 of 52; ...'."""
+    parts = []
+    for pp, rows in _rows_by_p(reports).items():
+        held = sum(abs(r["measured_step_s"] / r["median_latency_step_s"] - 1) <= 0.05 and (
+            abs(r["measured_bubble"] / r["median_latency_bubble"] - 1) <= 0.15) for r in rows)
+        parts.append(f"p = {pp}: {held} of {len(rows)}")
+    return "; ".join(parts)
