@@ -685,6 +685,8 @@ RENDERERS["emulate-ideal-targets"] = (EMULATED, emulate.emulate_ideal_targets)
 RENDERERS["emulate-misses"] = (EMULATED, emulate.emulate_misses)
 RENDERERS["emulate-plans"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_table)
 RENDERERS["emulate-plans-early"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_early_receives)
+RENDERERS["emulate-replay"] = (("docs/results/emulate_replay_p8.json", "docs/results/emulate_replay_p16.json"),
+                               emulate.emulate_replay_table)
 
 
 # docs/data.md, README.md: the demo corpus's counts (python -m megatron_pp.data.demo_corpus ... --stats-json) ----
