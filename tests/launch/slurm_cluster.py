@@ -99,6 +99,7 @@ class LocalSlurm:
                 "SelectType=select/cons_tres",
                 "SelectTypeParameters=CR_CPU",
                 "SchedulerType=sched/builtin",
+                "SchedulerParameters=sched_interval=1",
                 "JobCompType=jobcomp/none",
                 "JobAcctGatherType=jobacct_gather/none",
                 "AccountingStorageType=accounting_storage/none",
