@@ -1,8 +1,8 @@
 """Replay of one emulated step in the simulator with its measured transfers: is a row's excess over the
 calibrated simulation the executor's (a stall the lists do not have) or the transfers' spread?
 
-The calibrated simulation charges every point-to-point message the same latency (the calibration run's
-median, `emulate_calibrate`). Here each message gets the latency it was measured to take in one emulated
+The simulation with one latency charges every point-to-point message the calibration run's median
+(`emulate_calibrate`; the grids' rows now draw one per message from its percentiles). Here each message gets the latency it was measured to take in one emulated
 step instead: from when its sender posted it (the sender's post record, plus `host_post` for each send
 of its batch up to it, as `simulate` lets sends leave) to when its consumer's input was in (the consumer's
 call plus its wait: `Emulator.compute`), never below 0. Where the consumer was called after the data was
@@ -68,9 +68,10 @@ def replay(schedule: Schedule, costs: CostModel, per_rank: list[dict], overruns:
 
 
 def replay_row(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calibration: dict) -> dict:
-    """One row of the replay table from a row's measured steps (after the warm-up): per step the measured
-    step, the calibrated simulation's, the replays' (measured latencies; and overruns too), and the measured
-    latencies' median and mean beside the calibration's constant (ms). Medians over the steps."""
+    """One row of the replay table from a row's measured steps (after the warm-up): the measured step and
+    bubble, the simulations with the calibration's median latency and with drawn latencies (once, not per
+    step), the replays' (measured latencies; and overruns too), the waited latencies' median and mean beside
+    the calibration's median (ms), the gaps per post count. Medians over the steps."""
     from megatron_pp.benchmarks.emulate_calibrate import drawn_simulation, with_host_costs
     from megatron_pp.benchmarks.emulate_measure import measure
 
