@@ -33,7 +33,9 @@ test_offload.py checks these numbers).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -122,16 +124,16 @@ def _check_compute_only(schedule: Schedule) -> None:
 
 
 class _Lane:
-    """Busy intervals of one rank's copy lane, kept sorted."""
+    """Busy intervals of one rank's copy lane: sorted, never overlapping (every booking is a slot `earliest`
+    or `latest` found free), so their ends are sorted too and both searches start by bisection."""
 
     def __init__(self) -> None:
         self.busy: list[tuple[float, float]] = []
+        self._ends: list[float] = []
 
     def earliest(self, ready: float, length: float) -> float:
         start = ready
-        for lo, hi in self.busy:
-            if hi <= start:
-                continue
+        for lo, hi in self.busy[bisect.bisect_right(self._ends, start):]:
             if lo >= start + length:
                 break
             start = hi
@@ -139,20 +141,21 @@ class _Lane:
 
     def latest(self, earliest: float, deadline: float, length: float) -> float | None:
         end = deadline
-        for lo, hi in reversed(self.busy):
-            if lo >= end:
-                continue
+        for k in range(bisect.bisect_left(self.busy, (end,)) - 1, -1, -1):
+            lo, hi = self.busy[k]
             if hi <= end - length:
                 break
             end = lo
         return end - length if end - length >= earliest else None
 
     def book(self, start: float, end: float) -> None:
-        self.busy.append((start, end))
-        self.busy.sort()
+        k = bisect.bisect_right(self.busy, (start, end))
+        self.busy.insert(k, (start, end))
+        self._ends.insert(k, end)
 
     def free(self, start: float, end: float) -> None:
-        self.busy.remove((start, end))
+        k = self.busy.index((start, end))
+        del self.busy[k], self._ends[k]
 
 
 def plan_offload(schedule: Schedule, offload_chunks: int, offload_time: float = DEFAULT_TRANSFER,
@@ -213,13 +216,16 @@ def plan_offload(schedule: Schedule, offload_chunks: int, offload_time: float = 
             reloads[mb, c] = (start, start + copy)
         forward_at = {(a.microbatch, a.chunk): i for i, a in enumerate(schedule.actions[rank]) if a.op is Op.F}
         acts = schedule.actions[rank]
-        ends = [(times[a.op, a.microbatch, a.chunk][1], i) for i, a in enumerate(acts) if a.is_compute]
+        # The list's compute actions by end time, with the largest list index among those ending by each.
+        ends = sorted((times[a.op, a.microbatch, a.chunk][1], i) for i, a in enumerate(acts) if a.is_compute)
+        end_times, last_index = [e for e, _ in ends], list(itertools.accumulate((i for _, i in ends), max))
         for (mb, c), (start, end) in offloads.items():
             transfers[rank].append(PlannedCopy(Op.OFFLOAD, mb, c, start, end, forward_at[mb, c]))
         for (mb, c), (start, end) in reloads.items():
             # Issue after the last compute that ends by the planned start (never before its own OFFLOAD):
             # the copy then starts no later than planned.
-            after = max([i for e, i in ends if e <= start + 1e-9] + [forward_at[mb, c]])
+            ended = bisect.bisect_right(end_times, start + 1e-9)
+            after = max(last_index[ended - 1], forward_at[mb, c]) if ended else forward_at[mb, c]
             transfers[rank].append(PlannedCopy(Op.RELOAD, mb, c, start, end, after))
         transfers[rank].sort(key=lambda t: (t.start, t.op is Op.RELOAD))
     skipped = {rank: len(keys) for rank, keys in enumerate(no_slot) if keys}
