@@ -687,6 +687,7 @@ RENDERERS["emulate-plans"] = ("docs/results/emulate_plans.json", emulate.emulate
 RENDERERS["emulate-plans-early"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_early_receives)
 RENDERERS["emulate-replay"] = (("docs/results/emulate_replay_p8.json", "docs/results/emulate_replay_p16.json"),
                                emulate.emulate_replay_table)
+RENDERERS["emulate-median-targets"] = (EMULATED, emulate.emulate_median_targets)
 
 
 # docs/data.md, README.md: the demo corpus's counts (python -m megatron_pp.data.demo_corpus ... --stats-json) ----
