@@ -13,7 +13,7 @@ TransformerEngine, context parallelism) are refused by `check_megatron_compat`, 
 anything is built. Example: the flags of Megatron-LM's llama3 8B script (bf16, mock data) start with
 
     Megatron-LM flags accepted with no effect here: --use-mcore-models, --cross-entropy-loss-fusion,
-    --manual-gc, --empty-unused-memory-level 1, ... (docs/training.md, "Megatron-LM launch scripts")
+    --empty-unused-memory-level 1, ... (docs/training.md, "Megatron-LM launch scripts")
 """
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ NO_EFFECT: dict[str, str] = {
                           "There is one model here.",
     "--cross-entropy-loss-fusion": "Megatron-LM: one fused kernel for the vocabulary-parallel cross entropy. "
                                    "The loss here is the same fp32 vocabulary-parallel cross entropy, op by op.",
-    "--manual-gc": "Megatron-LM: disable Python's automatic garbage collector and collect every "
-                   "--manual-gc-interval steps. Host-side pacing only; no value changes.",
-    "--manual-gc-interval": "Megatron-LM: steps between manual collections (with --manual-gc).",
     "--empty-unused-memory-level": "Megatron-LM: torch.cuda.empty_cache() after each step (1) or also after "
                                    "validation (2): returns cached blocks to the driver; no value changes.",
     "--tiktoken-pattern": "Megatron-LM: the pre-tokenization regex of its TikTokenizer (v1 or v2), read by "
@@ -95,11 +92,19 @@ def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
     mc.add_argument("--overlap-param-gather", action="store_true",
                     help="With --use-distributed-optimizer: leave each update's parameter all-gathers in flight; each "
                          "model chunk's first forward of the next step waits for its own (docs/training.md).")
-    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc",
+    mc.add_argument("--manual-gc", action="store_true",
+                    help="Switch Python's automatic garbage collector off for the training loop and collect by hand "
+                         "at iteration boundaries, the same on every rank (training/manual_gc.py).")
+    mc.add_argument("--manual-gc-interval", type=int, default=0,
+                    help="With --manual-gc: collect after every N-th iteration (0, the default: not between "
+                         "iterations, only before the first and around evaluations).")
+    mc.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                    help="With --manual-gc: do not collect before and after each evaluation.")
+    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--profile",
                  "--use-pytorch-profiler"):
         mc.add_argument(name, dest=_dest(name), action="store_true", help=NO_EFFECT[name])
-    for name, kind, default in (("--manual-gc-interval", int, None), ("--empty-unused-memory-level", int, None),
+    for name, kind, default in (("--empty-unused-memory-level", int, None),
                                 ("--tiktoken-pattern", str, None), ("--num-workers", int, None),
                                 ("--profile-step-start", int, None), ("--profile-step-end", int, None)):
         mc.add_argument(name, dest=_dest(name), type=kind, default=default, help=NO_EFFECT[name])
@@ -189,6 +194,9 @@ def check_megatron_compat(args: argparse.Namespace) -> list[str]:
     elif args.decoupled_lr is not None and 0 <= args.decoupled_lr < (
             args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr):
         errors.append(f"--decoupled-lr {args.decoupled_lr} is below its floor (--decoupled-min-lr, default --min-lr)")
+    if getattr(args, "manual_gc_interval", 0) < 0:
+        errors.append(f"--manual-gc-interval must be >= 0 (0: no collection between iterations), got "
+                      f"{args.manual_gc_interval}")
     if args.empty_unused_memory_level is not None and args.empty_unused_memory_level not in (0, 1, 2):
         errors.append(f"--empty-unused-memory-level must be 0, 1 or 2, got {args.empty_unused_memory_level}")
     return errors

@@ -38,6 +38,7 @@ from megatron_pp.training.checkpointing import (
 from megatron_pp.training.faults import FaultPlan, poison_first_gradient
 from megatron_pp.training.flops import IterationFlops
 from megatron_pp.training.layered import all_weights
+from megatron_pp.training.manual_gc import ManualGC
 from megatron_pp.training.metrics import MetricsLogger
 from megatron_pp.training.optimizer import LRSchedule, TrainingOptimizer
 from megatron_pp.training.pipeline import Pipeline, finish_param_gather
@@ -307,7 +308,15 @@ class Trainer:
         The step driver runs the iterations. The loop tells it ahead which iterations end training,
         evaluate or save (`flush`: a driver whose steps overlap, like 2BW's, ends such a call with nothing
         in flight); a stop is agreed either before an iteration (a driver that learns it from earlier
-        metrics) or after it (`ExitConditions.check`, a collective)."""
+        metrics) or after it (`ExitConditions.check`, a collective). With `--manual-gc` the garbage
+        collector runs only at the iteration boundaries `ManualGC` names."""
+        args = self.args
+        manual_gc = ManualGC(getattr(args, "manual_gc", False), getattr(args, "manual_gc_interval", 0),
+                             getattr(args, "manual_gc_eval", True))
+        with manual_gc:
+            return self._iterate(exit_conditions, manual_gc)
+
+    def _iterate(self, exit_conditions: ExitConditions, manual_gc: ManualGC) -> list[dict]:
         args = self.args
         rows: list[dict] = []
         record = self._recorder(rows)
@@ -333,8 +342,10 @@ class Trainer:
                     self.on_iteration(row)
             if numerics is not None:
                 raise TrainingStopped(numerics)
+            manual_gc.after_iteration(iteration)
             if evaluate:
-                record(self.evaluate(iteration // args.eval_interval - 1), evaluation=True)
+                with manual_gc.evaluation():
+                    record(self.evaluate(iteration // args.eval_interval - 1), evaluation=True)
                 last_eval = iteration
             if save:
                 self.save()
@@ -352,7 +363,8 @@ class Trainer:
         finish_param_gather(self.optimizer)  # nothing left in flight when training ends
         if stop is None:
             if evaluation_enabled(args) and last_eval != self.progress.iteration:
-                record(self.evaluate(args.train_iters // args.eval_interval), evaluation=True)
+                with manual_gc.evaluation():
+                    record(self.evaluate(args.train_iters // args.eval_interval), evaluation=True)
             if args.save and self.progress.iteration > 0 and self.last_saved != self.progress.iteration:
                 self.save()
         if args.trace_file:

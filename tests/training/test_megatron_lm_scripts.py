@@ -76,7 +76,7 @@ def test_gpt3_script_is_refused_only_for_its_ramp_up_with_train_iters_as_megatro
 def test_start_up_line_names_each_flag_without_effect_that_was_given():
     args = build_parser().parse_args(LLAMA3_8B_BF16)
     line = accepted_without_effect(args)
-    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc", "--empty-unused-memory-level 1",
+    for name in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--empty-unused-memory-level 1",
                  "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader",
                  "--no-mmap-bin-files", "--num-workers 1", "--profile", "--profile-step-start 4",
                  "--profile-step-end 6", "--calculate-per-token-loss", "--context-parallel-size 1",
@@ -84,8 +84,9 @@ def test_start_up_line_names_each_flag_without_effect_that_was_given():
                  "--target-format torch_dist writes Megatron-LM's)"):
         assert name in line, name
     assert "--overlap-param-gather" not in line  # implemented with --use-distributed-optimizer, as the script gives
+    assert "--manual-gc" not in line and args.manual_gc  # implemented: training/manual_gc.py
     assert "\n" not in line and accepted_without_effect(build_parser().parse_args([])) is None
-    assert set(NO_EFFECT) >= {"--use-mcore-models", "--manual-gc", "--num-workers", "--profile"}
+    assert set(NO_EFFECT) >= {"--use-mcore-models", "--num-workers", "--profile"}
 
 
 def _run(argv, nproc, tmp_path):

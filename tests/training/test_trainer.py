@@ -135,3 +135,53 @@ def test_trace_file_holds_every_rank_on_one_time_origin(tmp_path):
 def test_local_events_move_step_relative_times_onto_the_rank_clock():
     result = types.SimpleNamespace(started=100.0, events=[("F0", 0.0, 0.5), ("B0", 0.5, 2.0)])
     assert trainer_module.local_events(result) == [("F0", 100.0, 100.5), ("B0", 100.5, 102.0)]
+
+
+def _gc_events(monkeypatch):
+    """Every garbage collection and every logged row, in order, with whether the collector was on."""
+    import gc
+
+    from megatron_pp.training.metrics import MetricsLogger
+
+    events, collect = [], gc.collect
+    train, evaluation = MetricsLogger.train, MetricsLogger.evaluation
+
+    def counted(*a, **k):
+        events.append("collect")
+        return collect(*a, **k)
+
+    monkeypatch.setattr(gc, "collect", counted)
+    monkeypatch.setattr(MetricsLogger, "train",
+                        lambda self, row: (events.append((row["iteration"], gc.isenabled())), train(self, row))[1])
+    monkeypatch.setattr(MetricsLogger, "evaluation",
+                        lambda self, row: (events.append(("eval", gc.isenabled())), evaluation(self, row))[1])
+    return events
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--manual-gc", "--manual-gc-interval", "2"],
+     ["collect", (1, False), (2, False), "collect", "collect", ("eval", False), "collect", (3, False), (4, False),
+      "collect", "collect", ("eval", False), "collect"]),
+    (["--manual-gc", "--no-manual-gc-eval"],
+     ["collect", (1, False), (2, False), ("eval", False), (3, False), (4, False), ("eval", False)]),
+    ([], [(1, True), (2, True), ("eval", True), (3, True), (4, True), ("eval", True)]),
+], ids=["interval-2", "no-eval", "off"])
+def test_manual_gc_collects_at_iteration_boundaries_only(flags, expected, capsys, monkeypatch):
+    """Megatron-LM's --manual-gc: the collector is off for the loop (no threshold collection can land inside a
+    step on one rank) and collects before the first iteration, after every N-th and around each evaluation;
+    the process gets its collector back when training ends."""
+    import gc
+
+    events = _gc_events(monkeypatch)
+    assert gc.isenabled()
+    _run(["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", *flags], capsys)
+    assert events == expected
+    assert gc.isenabled()
+
+
+def test_a_negative_manual_gc_interval_is_one_line():
+    from megatron_pp.training.arguments import build_parser, validate_args
+
+    args = build_parser().parse_args(SINGLE + ["--train-iters", "1", "--manual-gc", "--manual-gc-interval", "-1"])
+    assert validate_args(args, world_size=1) == [
+        "--manual-gc-interval must be >= 0 (0: no collection between iterations), got -1"]
