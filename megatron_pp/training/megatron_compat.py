@@ -98,7 +98,7 @@ def add_megatron_compat_args(parser: argparse.ArgumentParser) -> None:
     mc.add_argument("--manual-gc-interval", type=int, default=0,
                     help="With --manual-gc: collect after every N-th iteration (0, the default: not between "
                          "iterations, only before the first and around evaluations).")
-    mc.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+    mc.add_argument("--no-manual-gc-eval", action="store_true",
                     help="With --manual-gc: do not collect before and after each evaluation.")
     for name in ("--use-mcore-models", "--cross-entropy-loss-fusion",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--profile",

@@ -312,7 +312,7 @@ class Trainer:
         collector runs only at the iteration boundaries `ManualGC` names."""
         args = self.args
         manual_gc = ManualGC(getattr(args, "manual_gc", False), getattr(args, "manual_gc_interval", 0),
-                             getattr(args, "manual_gc_eval", True))
+                             not getattr(args, "no_manual_gc_eval", False))
         with manual_gc:
             return self._iterate(exit_conditions, manual_gc)
 
