@@ -29,6 +29,17 @@ PLUGIN = (test_plugins.PLUGIN.replace("test-offloaded-interleaved", "dry-offload
 BYTES = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "stash_peak_bytes", "host_peak_bytes")
 
 
+@pytest.fixture(autouse=True)
+def _plugin_schedule_leaves_this_process():
+    """The plugin case loads its schedule into this process (parse_args); no later test here should find it
+    registered (tools/plan.py ranks every registered schedule, and pool workers of other tests lack it)."""
+    yield
+    from megatron_pp.schedules import registry
+
+    if "dry-offloaded-interleaved" in registry.list_schedules():
+        registry.unregister_schedule("dry-offloaded-interleaved")
+
+
 def _case(name: str, tmp_path) -> tuple[list[str], int, int]:
     """(argv without --dry-run, tp, pp) of each case."""
     gpt, llama = ["--model-preset", "gpt-tiny"], ["--model-preset", "llama-tiny"]
