@@ -31,6 +31,6 @@ setup(
         "gpu": ["flash-attn"],
         # megatron-core (the checkpoint conversion tests run its GPTModel) is installed by launch/setup.sh
         # with --no-deps, pinned, so pip never touches the torch build; psutil is what its checkpoint writer needs.
-        "dev": ["pytest", "pytest-xdist", "hypothesis", "psutil"],
+        "dev": ["pytest", "hypothesis", "psutil"],
     },
 )
