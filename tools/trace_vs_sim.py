@@ -60,10 +60,15 @@ TARGET = 0.15
 VIRTUAL = {"interleaved-1f1b": 2}  # virtual stages per rank given on the command line (zb-v fixes its own)
 
 
+DEFAULT_SCHEDULES = "1f1b,interleaved-1f1b,zb-h1,zb-v"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="trace_vs_sim.py", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", default="2,4", help="pipeline sizes, comma-separated")
-    parser.add_argument("--schedules", default="1f1b,interleaved-1f1b,zb-h1,zb-v")
+    parser.add_argument("--schedules", default=None,
+                        help="comma-separated (default: 1f1b,interleaved-1f1b,zb-h1,zb-v); with --emulate 'all' takes "
+                             "every family, and with --calibrate-only the lists named are calibrated too")
     parser.add_argument("--microbatches", default="8",
                         help="microbatches per step; with --emulate a comma-separated list where Np means N x pp "
                              "(default there: 2p,4p)")
@@ -89,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the simulator with each message's measured latency (megatron_pp/benchmarks/"
                              "emulate_replay.py), into --json")
     parser.add_argument("--calibrate-only", action="store_true",
-                        help="--emulate: only the host-cost calibration each grid runs first per --pp (1f1b, m = p, "
-                             "equal costs, at --unit-ms: megatron_pp/benchmarks/emulate_calibrate.py), into --json")
+                        help="--emulate: only the host-cost calibrations of a grid, into --json: the common one per --pp (1f1b, "
+                             "m = 3p, equal costs, at --unit-ms) and, with --schedules, each named list's own (its "
+                             "family at m = 3p under each of --costs): megatron_pp/benchmarks/emulate_calibrate.py")
     parser.add_argument("--plan", action="append", default=[], metavar="ARGS",
                         help="--emulate: instead of the schedule grid, emulate the best plan tools/plan.py prints for "
                              "these arguments (one quoted string; repeatable) with the planner's per-action times "
@@ -339,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         pps = _list(args.pp, "--pp", int)
-        names = _list(args.schedules, "--schedules")
+        names = _list(args.schedules or DEFAULT_SCHEDULES, "--schedules")
         unknown = [n for n in names if n not in list_schedules() and not (args.emulate and names == ["all"])]
         if unknown:
             raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}")

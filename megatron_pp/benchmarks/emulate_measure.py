@@ -108,13 +108,15 @@ def critical_path(schedule: Schedule, per_rank: list[dict], latency: float = 0.0
 
 
 def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: list[str], unit_s: float, steps: int,
-             log=print, calibration: dict | None = None) -> list[dict]:
+             log=print, calibration: dict | None = None, list_calibration=None) -> list[dict]:
     """Every (schedule, m) of the grid on one pool of `pp` workers, each built once and run under every cost
     set of `kinds`: one warm-up step, then `steps` measured; rows with the median measured step and bubble
     beside the simulated ones. A forward of a rank's whole share of the layers takes `unit_s`: with v chunks
     per rank, one chunk's forward takes unit_s / v (the same model, cut finer), so step times of schedules
     with different v compare as the same job's. With a `calibration` (`emulate_calibrate`), the simulated
-    step is timed with its host costs and latency, the ideal one without."""
+    step is timed with its host costs and latency, the ideal one without; with `list_calibration` (a callable
+    (family, schedule, cost set) -> its list's calibration block, run on the pool when first asked for), the
+    simulated step is timed with the row's own list's block and the common one's stays beside it."""
     rows = []
     for m in microbatches:
         for name in names:
@@ -122,8 +124,9 @@ def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: li
             costs = {kind: cost_model(kind, unit_s / schedule.num_chunks) for kind in kinds}
             runs = pool.run(worker_emulate, schedule, list(costs.values()), steps + 1, timeout=900)
             for c, (kind, model) in enumerate(costs.items()):
+                own = list_calibration(name, schedule, kind) if list_calibration is not None else None
                 row = compare(schedule, model, [[runs[r][c][k] for r in range(pp)] for k in range(steps + 1)],
-                              calibration)
+                              calibration, own)
                 rows.append({"costs": kind, **row})
                 log(f"{name:>17} p={pp:<2} m={m:<3} {kind}: step {row['measured_step_s']:.3f} s (sim "
                     f"{row['simulated_step_s']:.3f}, {100 * row['step_error']:+.1f}%; ideal {row['ideal_step_s']:.3f})  "
@@ -133,12 +136,15 @@ def run_grid(pool, pp: int, names: list[str], microbatches: list[int], kinds: li
     return rows
 
 
-def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calibration: dict | None = None) -> dict:
-    """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)` with the
+def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calibration: dict | None = None,
+            own: dict | None = None) -> dict:
+    """One row: the measured steps after the first (warm-up) against `simulate(schedule, costs)` with a
     calibration's host costs and latencies drawn from its percentiles (`simulated_*`, what the targets compare:
-    `emulate_calibrate.drawn_simulation`), with its median latency for every message (`median_latency_*`;
-    also `simulated_*` for a calibration without percentiles), and without either (`ideal_*`, the schedule's
-    own timeline: the same as `simulated_*` without a calibration)."""
+    `emulate_calibrate.drawn_simulation`): the row's own list's calibration `own` where given, else the
+    common `calibration`. Beside it: the common calibration's drawn simulation (`common_*`, with `own`), its
+    median latency for every message (`median_latency_*`; also `simulated_*` for a calibration without
+    percentiles), and the simulation without host costs (`ideal_*`, the schedule's own timeline: the same as
+    `simulated_*` without a calibration)."""
     from megatron_pp.benchmarks.emulate_calibrate import drawn_simulation, with_host_costs
 
     ideal = simulate(schedule, costs)
@@ -146,6 +152,9 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calib
     sim_step, sim_bubble = at_median.makespan, at_median.bubble_fraction
     if calibration is not None and calibration.get("latency_ms_percentiles"):
         sim_step, sim_bubble = drawn_simulation(schedule, costs, calibration)
+    common = (sim_step, sim_bubble)
+    if own is not None:
+        sim_step, sim_bubble = drawn_simulation(schedule, costs, own)
     per_step = [{**measure(step), "path": critical_path(schedule, step)} for step in steps[1:]]
     step = statistics.median(x["step_s"] for x in per_step)
     bubble = statistics.median(x["bubble"] for x in per_step)
@@ -155,6 +164,8 @@ def compare(schedule: Schedule, costs: CostModel, steps: list[list[dict]], calib
            "measured_bubble": bubble, "simulated_bubble": sim_bubble, "step_error": step / sim_step - 1,
            "bubble_error": (bubble - sim_bubble) / sim_bubble if sim_bubble else None,
            "median_latency_step_s": at_median.makespan, "median_latency_bubble": at_median.bubble_fraction,
+           "common_step_s": common[0], "common_bubble": common[1],
+           "calibrated_on": own["key"] if own is not None else None,
            "ideal_step_s": ideal.makespan, "ideal_bubble": ideal.bubble_fraction,
            "ideal_step_error": step / ideal.makespan - 1,
            "steps_s": [x["step_s"] for x in per_step], "bubbles": [x["bubble"] for x in per_step],

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_pp.benchmarks.emulate import FAMILIES, family_schedule
+from megatron_pp.benchmarks.emulate_calibrate import CALIBRATION_MICROBATCHES
 from megatron_pp.benchmarks.emulate_measure import run_grid
 from megatron_pp.cli import UsageError, write_json
 
@@ -34,6 +35,8 @@ class EmulationPlan:
     grid: list[tuple[int, list[int]]]  # (pp, microbatch counts)
     names: list[str]
     costs: list[str]
+    names_given: bool = True
+    """--schedules was given (with --calibrate-only: calibrate those lists too)."""
 
 
 def _microbatches(text: str, pp: int) -> list[int]:
@@ -68,10 +71,10 @@ def plan_emulation(args, pps: list[int], names: list[str]) -> EmulationPlan:
     text = "2p,4p" if args.microbatches == "8" else args.microbatches  # the default of the trace mode
     grid = [(pp, _microbatches(text, pp)) for pp in pps]
     for pp, counts in grid:
-        for m in counts:
+        for m in counts + [CALIBRATION_MICROBATCHES * pp]:  # each list's own calibration runs at m = 3p
             for name in names:
                 family_schedule(name, pp, m)  # raises ValueError naming the schedule's rule
-    return EmulationPlan(grid, names, costs)
+    return EmulationPlan(grid, names, costs, getattr(args, "schedules", None) is not None)
 
 
 def paper_ratio(schedule: str, p: int, m: int) -> float:
@@ -108,29 +111,52 @@ def run_emulation(args, plan: EmulationPlan, argv: list[str]) -> int:
 
     from megatron_pp.core.local_world import WorkerPool
 
-    from megatron_pp.benchmarks.emulate_calibrate import CALIBRATION_STEPS, calibrate
+    from megatron_pp.benchmarks.emulate_calibrate import (CALIBRATION_SCHEDULE, CALIBRATION_STEPS, calibrate,
+                                                          list_calibration_key)
 
     unit = args.unit_ms / 1e3
     load_start, started = os.getloadavg(), time.time()
     rows: list[dict] = []
     calibration: dict[str, dict] = {}
+    lists: dict[str, dict[str, dict]] = {}
     for pp, counts in plan.grid:
         pool = WorkerPool(pp)
         try:
             block = calibration[str(pp)] = {
                 "command": f"python tools/trace_vs_sim.py --emulate --calibrate-only --pp {pp} --unit-ms {args.unit_ms:g}",
-                **calibrate(pool, pp, unit, CALIBRATION_STEPS)}
+                "key": f"{CALIBRATION_SCHEDULE}/equal", **calibrate(pool, pp, unit, CALIBRATION_STEPS)}
             print(f"calibration p={pp}: host {block['host_compute_ms']:.3f} ms a compute action + "
                   f"{block['host_post_ms']:.3f} ms a post, latency {block['p2p_latency_ms']:.3f} ms "
                   f"({block['gaps']} gaps, {block['latency_samples']} waited inputs)", flush=True)
-            if not args.calibrate_only:
+            own = lists[str(pp)] = {block["key"]: block}  # the common run is 1f1b's own under equal costs
+
+            def list_calibration(name, schedule, kind, pp=pp, pool=pool, own=own):
+                key = list_calibration_key(name, schedule, kind)
+                if key not in own:
+                    name, kind = key.split("/")
+                    own[key] = {"command": f"python tools/trace_vs_sim.py --emulate --calibrate-only --pp {pp} "
+                                           f"--unit-ms {args.unit_ms:g} --schedules {name} --costs {kind}",
+                                "key": key, **calibrate(pool, pp, unit, CALIBRATION_STEPS, name, kind)}
+                    print(f"calibration p={pp} {key}: host {own[key]['host_compute_ms']:.3f} + "
+                          f"{own[key]['host_post_ms']:.3f} ms a post, latency {own[key]['p2p_latency_ms']:.3f} ms",
+                          flush=True)
+                return own[key]
+
+            if args.calibrate_only:
+                for name in plan.names if plan.names_given else []:
+                    schedule = family_schedule(name, pp, CALIBRATION_MICROBATCHES * pp)
+                    for kind in plan.costs:
+                        list_calibration(name, schedule, kind)
+            else:
                 rows += run_grid(pool, pp, plan.names, counts, plan.costs, unit, args.steps,
-                                 log=lambda line: print(line, flush=True), calibration=block)
+                                 log=lambda line: print(line, flush=True), calibration=block,
+                                 list_calibration=list_calibration)
             if args.json:  # partial results survive an interrupted grid
-                write_json(args.json, _report(args, argv, rows, load_start, started, torch.__version__, calibration))
+                write_json(args.json, _report(args, argv, rows, load_start, started, torch.__version__, calibration,
+                                              lists))
         finally:
             pool.close()
-    report = _report(args, argv, rows, load_start, started, torch.__version__, calibration)
+    report = _report(args, argv, rows, load_start, started, torch.__version__, calibration, lists)
     for r in report["ratios"]:
         print(f"{r['ratio']:>27} p={r['pp']:<2} m={r['microbatches']:<3} {r['costs']}: measured "
               f"{r['measured']:.3f}  simulated {r['simulated']:.3f}  ideal {r['ideal']:.3f}")
@@ -178,7 +204,7 @@ def run_plan_emulation(args, cases: list, argv: list[str]) -> int:
     return 0
 
 
-def _report(args, argv, rows, load_start, started, torch_version, calibration) -> dict:
+def _report(args, argv, rows, load_start, started, torch_version, calibration, lists=None) -> dict:
     within = [r for r in rows if r["within_target"]]
     return {
         "command": "python tools/trace_vs_sim.py " + " ".join(argv),
@@ -191,9 +217,13 @@ def _report(args, argv, rows, load_start, started, torch_version, calibration) -
         "receives_ahead": "per incoming link, receives kept posted ahead by the executor (simulate.receives_ahead); "
                           "rows: receives_ahead_max over the schedule's links",
         "calibration": calibration,
-        "simulated": "rows: simulated_step_s and simulated_bubble simulate the lists with the calibration's host costs "
+        "list_calibrations": lists or {},
+        "simulated": "rows: simulated_step_s and simulated_bubble simulate the lists with the host costs "
                      "(CostModel.host_compute per compute action, host_post per posted send or receive) and "
-                     "p2p_latency for this pp, what the targets compare; ideal_step_s and ideal_bubble without them "
+                     "latencies drawn per message of the row's own list calibration (list_calibrations[pp][calibrated_on]: "
+                     "the family at m = 3p under the row's costs), what the targets compare; common_step_s and "
+                     "common_bubble the same with the pp's common 1f1b calibration; median_latency_* the common one's "
+                     "median latency for every message; ideal_step_s and ideal_bubble without host costs "
                      "(host and latency 0: the schedule's own timeline)",
         "critical_path": "rows: critical_path_ms, the measured step taken apart along its critical path "
                          "(emulate_measure.critical_path; medians over the measured steps): cost + overrun + gap + hop + "

@@ -66,6 +66,8 @@ def test_the_block_and_the_cost_model_it_gives():
     assert costs.host_post == pytest.approx(block["host_post_ms"] / 1e3)
     assert costs.p2p_latency == pytest.approx(block["p2p_latency_ms"] / 1e3)
     assert with_host_costs(costs, None) is costs
+    # A median below 0 (a core per rank beats the estimate of when the send was done) is noise: 0.
+    assert with_host_costs(CostModel(), {**block, "p2p_latency_ms": -0.013}).p2p_latency == 0.0
 
 
 def test_rows_simulate_with_the_calibration_and_keep_the_ideal_beside_it():
@@ -124,3 +126,48 @@ def test_rows_compare_the_mean_over_drawn_latencies():
     row = compare(schedule, CostModel(), steps, spread)
     assert row["simulated_step_s"] == pytest.approx(step)
     assert row["median_latency_step_s"] == pytest.approx(at_median.makespan)
+
+
+def test_recent_ends_count_the_compute_actions_that_ended_just_before_a_send():
+    """1F1B at p = 2, m = 1 in milliseconds: rank 0's F0 ends at 2 and its activation is posted at 5; rank 1's
+    F0, called at 3, waits 6 for it (latency 9 - 5 = 4 ms). In the 4 ms up to the post one compute action
+    ended (rank 0's F0 at 2); moved to 0.9 ms it is outside the window. Rank 1's gradient, posted at 21
+    before rank 0's B0 was called (25), gives no sample."""
+    from megatron_pp.benchmarks.emulate_calibrate import RECENT_ENDS_WINDOW_S, recent_ends
+
+    assert RECENT_ENDS_WINDOW_S == 4e-3
+    schedule = build_schedule("1f1b", 2, 1)
+
+    def records(first_end: float) -> list[dict]:
+        return [_record([("F0.0", 0.0, first_end, 0.0), ("B0.0", 0.025, 0.030, 0.0)], [("send", 1, 0.005)]),
+                _record([("F0.0", 0.003, 0.012, 0.006), ("B0.0", 0.013, 0.020, 0.0)],
+                        [("recv", 0, 0.0), ("send", 0, 0.021)])]
+    assert recent_ends(schedule, records(0.002), 0.0) == [(1, pytest.approx(0.004))]
+    assert recent_ends(schedule, records(0.0009), 0.0) == [(0, pytest.approx(0.004))]
+
+
+def test_a_list_without_a_split_backward_has_one_calibration_for_both_cost_sets():
+    from megatron_pp.benchmarks.emulate_calibrate import list_calibration_key
+
+    assert list_calibration_key("1f1b", build_schedule("1f1b", 2, 4), "split") == "1f1b/equal"
+    assert list_calibration_key("zb-h1", build_schedule("zb-h1", 2, 4), "split") == "zb-h1/split"
+    assert list_calibration_key("zb-h1", build_schedule("zb-h1", 2, 4), "equal") == "zb-h1/equal"
+
+
+def test_rows_are_simulated_with_their_own_lists_calibration_and_keep_the_common_one_beside():
+    """With `own` the targets read its drawn simulation; the common calibration's stays as `common_*`."""
+    from megatron_pp.benchmarks.emulate_calibrate import drawn_simulation
+
+    schedule = build_schedule("1f1b", 2, 1)
+    steps = [ONE_MICROBATCH, ONE_MICROBATCH]
+    for record, rank_events in zip(ONE_MICROBATCH, ([0.0, 7.1], [0.0, 4.7])):
+        record.update(started=0.0, events=[("x", *rank_events)], copies=[], load=1.0)
+    common = {"host_compute_ms": 100.0, "host_post_ms": 10.0, "p2p_latency_ms": 200.0,
+              "latency_ms_percentiles": [200.0] * 101}
+    own = {"key": "1f1b/equal", "host_compute_ms": 50.0, "host_post_ms": 20.0, "p2p_latency_ms": 900.0,
+           "latency_ms_percentiles": [900.0] * 101}
+    row = compare(schedule, CostModel(), steps, common, own)
+    assert (row["simulated_step_s"], row["simulated_bubble"]) == drawn_simulation(schedule, CostModel(), own)
+    assert (row["common_step_s"], row["common_bubble"]) == drawn_simulation(schedule, CostModel(), common)
+    assert row["simulated_step_s"] > row["common_step_s"] and row["calibrated_on"] == "1f1b/equal"
+    assert row["step_error"] == pytest.approx(row["measured_step_s"] / row["simulated_step_s"] - 1)

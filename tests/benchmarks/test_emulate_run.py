@@ -26,8 +26,36 @@ def test_an_emulated_grid_reports_every_row(tmp_path):
     calibration = report["calibration"]["2"]
     assert calibration["command"] == "python tools/trace_vs_sim.py --emulate --calibrate-only --pp 2 --unit-ms 5"
     assert calibration["schedule"] == "1f1b" and calibration["microbatches"] == 6 and calibration["gaps"] > 0
+    # Each row is simulated with its own list's calibration (the family at m = 3p under its costs); 1f1b has no
+    # split backward, so its one calibration is the common one, and zb-h1 has one per cost set.
+    lists = report["list_calibrations"]["2"]
+    assert sorted(lists) == ["1f1b/equal", "zb-h1/equal", "zb-h1/split"]
+    assert lists["1f1b/equal"] == calibration
+    assert lists["zb-h1/split"]["schedule"] == "zb-h1" and lists["zb-h1/split"]["costs"] == "split"
+    assert lists["zb-h1/split"]["microbatches"] == 6
+    assert lists["zb-h1/split"]["command"].endswith("--unit-ms 5 --schedules zb-h1 --costs split")
+    assert {(s, c): r["calibrated_on"] for (s, _, _, c), r in rows.items()} == {
+        ("1f1b", "equal"): "1f1b/equal", ("1f1b", "split"): "1f1b/equal", ("zb-h1", "equal"): "zb-h1/equal",
+        ("zb-h1", "split"): "zb-h1/split"}
     for row in rows.values():
+        assert row["common_step_s"] > 0
         # The calibrated host costs only add time: the ideal simulation is the shorter.
         assert row["ideal_step_s"] <= row["simulated_step_s"], row
         assert report["within_target"].endswith(f"of {len(rows)}")
     assert {(r["ratio"], r["costs"]) for r in report["ratios"]} >= {("zb-h1 / 1f1b", "equal"), ("zb-h1 / 1f1b", "split")}
+
+
+def test_calibrate_only_runs_the_common_calibration_and_the_named_lists(tmp_path):
+    """The command a list calibration's block records is the one that makes it again: the common 1f1b block
+    and, for each named list and cost set, its own (a list without a split backward once, as 'equal')."""
+    out = tmp_path / "calibration.json"
+    argv = ["--emulate", "--calibrate-only", "--pp", "2", "--unit-ms", "5", "--schedules", "zb-h1,gpipe",
+            "--costs", "split", "--steps", "1", "--json", str(out)]
+    assert trace_vs_sim.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"] == [] and sorted(report["calibration"]) == ["2"]
+    lists = report["list_calibrations"]["2"]
+    assert sorted(lists) == ["1f1b/equal", "gpipe/equal", "zb-h1/split"]
+    assert lists["zb-h1/split"]["command"] == ("python tools/trace_vs_sim.py --emulate --calibrate-only --pp 2 "
+                                               "--unit-ms 5 --schedules zb-h1 --costs split")
+    assert lists["gpipe/equal"]["costs"] == "equal" and lists["gpipe/equal"]["latency_samples"] >= 0
