@@ -133,13 +133,13 @@ def run_replay(args, plan, argv: list[str]) -> int:
     """`tools/trace_vs_sim.py --emulate --replay`: per pipeline size of `plan` (`emulate_report.plan_emulation`)
     the calibration, then every (schedule, m, costs) run once and replayed (`replay_row`); JSON to --json."""
     import os
-    import platform
     import time
 
     import torch
 
     from megatron_pp.benchmarks.emulate import cost_model, family_schedule, worker_emulate
     from megatron_pp.benchmarks.emulate_calibrate import CALIBRATION_STEPS, calibrate
+    from megatron_pp.benchmarks.emulate_report import report_header, report_load
     from megatron_pp.cli import write_json
     from megatron_pp.core.local_world import WorkerPool
 
@@ -166,9 +166,7 @@ def run_replay(args, plan, argv: list[str]) -> int:
             pool.close()
     if args.json:
         write_json(args.json, {
-            "command": "python tools/trace_vs_sim.py " + " ".join(argv),
-            "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, 1 thread per rank",
-            "torch": torch.__version__, "unit_ms": args.unit_ms, "steps_measured": args.steps,
+            **report_header(args, argv, torch.__version__),
             "calibration": calibration,
             "definitions": "per row, medians over the measured steps of one run: measured_step_s (as the grids), "
                            "median_latency_step_s (simulated with the calibration's host costs and its median "
@@ -177,6 +175,5 @@ def run_replay(args, plan, argv: list[str]) -> int:
                            "replayed_step_s (the same with each message's latency as measured in that step), "
                            "replayed_with_overruns_step_s (and each compute action's measured overrun); *_error: "
                            "measured / simulated - 1",
-            "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
-            "wall_s": time.time() - started, "rows": rows})
+            **report_load(load_start, started), "rows": rows})
     return 0

@@ -30,6 +30,20 @@ CLAIMS = [("zb-h1", "1f1b"), ("zb-v", "interleaved-1f1b"), ("v-half", "1f1b"), (
 COST_KINDS = ("equal", "split")
 
 
+def report_header(args, argv: list[str], torch_version: str) -> dict:
+    """The fields every `--emulate` JSON starts with: the command as typed, the host, torch, the unit and the
+    measured steps."""
+    return {"command": "python tools/trace_vs_sim.py " + " ".join(shlex.quote(a) for a in argv),
+            "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, 1 thread per rank",
+            "torch": torch_version, "unit_ms": args.unit_ms, "steps_measured": args.steps}
+
+
+def report_load(load_start, started: float) -> dict:
+    """The load averages at the start and now, and the wall time since `started` (every `--emulate` JSON)."""
+    return {"load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
+            "wall_s": time.time() - started}
+
+
 @dataclass(frozen=True)
 class EmulationPlan:
     grid: list[tuple[int, list[int]]]  # (pp, microbatch counts)
@@ -188,9 +202,7 @@ def run_plan_emulation(args, cases: list, argv: list[str]) -> int:
             pool.close()
     if args.json:
         write_json(args.json, {
-            "command": "python tools/trace_vs_sim.py " + " ".join(shlex.quote(a) for a in argv),
-            "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, 1 thread per rank",
-            "torch": torch.__version__, "unit_ms": args.unit_ms, "steps_measured": args.steps,
+            **report_header(args, argv, torch.__version__),
             "scaling": "every planner time (F, B, BI, BW per stage, host and peer copies, p2p latency) times one "
                        "factor per plan (`scale`), so that the mean rank's forward share takes unit_ms; emulated "
                        "times are divided by it again (real seconds) in *_s fields, critical_path_ms is emulated",
@@ -199,19 +211,14 @@ def run_plan_emulation(args, cases: list, argv: list[str]) -> int:
                            "reduction and optimizer step, a closed form); simulated_pipeline_s: the lists at the "
                            "plan's m simulated exactly (the planner extrapolates above 3p + r); medians over the "
                            "measured steps",
-            "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
-            "wall_s": time.time() - started, "rows": rows})
+            **report_load(load_start, started), "rows": rows})
     return 0
 
 
 def _report(args, argv, rows, load_start, started, torch_version, calibration, lists=None) -> dict:
     within = [r for r in rows if r["within_target"]]
     return {
-        "command": "python tools/trace_vs_sim.py " + " ".join(argv),
-        "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, 1 thread per rank",
-        "torch": torch_version,
-        "unit_ms": args.unit_ms,
-        "steps_measured": args.steps,
+        **report_header(args, argv, torch_version),
         "model": "emulate.emulated_chunk: per chunk one column-parallel linear layer 8 x 8 (an embedding of 16 x 8 "
                  "before it on the first stage, a per-token loss after it on the last), 4 tokens, micro-batch 1",
         "receives_ahead": "per incoming link, receives kept posted ahead by the executor (simulate.receives_ahead); "
@@ -237,9 +244,7 @@ def _report(args, argv, rows, load_start, started, torch_version, calibration, l
                        "the host's monotonic clock; bubble: mean over ranks of (step - busy) / step, busy = compute "
                        "time net of waits; medians over the measured steps; targets |step error| <= 5%, "
                        "|bubble error| <= 15% (relative)",
-        "load_average_start": list(load_start),
-        "load_average_end": list(os.getloadavg()),
-        "wall_s": time.time() - started,
+        **report_load(load_start, started),
         "rows": rows,
         "within_target": f"{len(within)} of {len(rows)}",
         "ratios": speed_ratios(rows),
