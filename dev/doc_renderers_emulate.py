@@ -107,8 +107,8 @@ def _path_excess(row: dict) -> str:
 
 
 def emulate_grid_table(*reports: dict) -> str:
-    """Per (schedule, p, m) and cost set: the measured step against the simulation with the calibrated host
-    costs (its error, what the 5% target reads) and the ideal simulation, e.g. '0.674 / 0.668 (+0.9%) / 0.660';
+    """Per (schedule, p, m) and cost set: the measured step against the simulation with its list's calibrated
+    host costs (its error, what the 5% target reads) and the ideal simulation, e.g. '0.674 / 0.668 (+0.9%) / 0.660';
     the measured bubble against the same two, '0.287 / 0.280 / 0.273'; with equal costs, the step beyond the
     costs on its measured critical path (ms: overrun · gap · hop · wait · lead); receives kept ahead (most), the
     actions whose own work exceeded their cost (all measured steps, both cost sets), the model's largest share
@@ -131,16 +131,16 @@ def emulate_grid_table(*reports: dict) -> str:
                   str(max(r["receives_ahead_max"] for r in by_costs.values())), str(sum(over)),
                   pct(max(r["model_share"] for r in by_costs.values()), 0), f"{min(load):.0f}–{max(load):.0f}"]
         out.append(cells)
-    return table(["schedule", "p", "m", "equal costs: step s, measured / simulated with host costs (error) / ideal",
+    return table(["schedule", "p", "m", "equal costs: step s, measured / simulated with its list's host costs (error) / ideal",
                   "bubble, measured / with host costs / ideal",
-                  "split costs: step s, measured / simulated with host costs (error) / ideal",
+                  "split costs: step s, measured / simulated with its list's host costs (error) / ideal",
                   "bubble, measured / with host costs / ideal",
                   "equal costs: ms beyond the costs on the critical path, overrun · gap · hop · wait · lead",
                   "receives ahead", "actions over cost", "model share", "load average"], out)
 
 
 def emulate_calibration_table(*reports: dict) -> str:
-    """Per p, the calibration run the grid made first (`calibration` in each JSON): its unit, the host time per
+    """Per p, the common calibration run the grid made first (`calibration` in each JSON): its unit, the host time per
     compute action and per posted send or receive, the latency (median, with its quartiles), the samples, the
     median late wake-up (not charged) and the load average before and after it."""
     out = []
@@ -237,5 +237,82 @@ def emulate_median_targets(*reports: dict) -> str:
     for pp, rows in _rows_by_p(reports).items():
         held = sum(abs(r["measured_step_s"] / r["median_latency_step_s"] - 1) <= 0.05 and (
             abs(r["measured_bubble"] / r["median_latency_bubble"] - 1) <= 0.15) for r in rows)
+        parts.append(f"p = {pp}: {held} of {len(rows)}")
+    return "; ".join(parts)
+
+
+# Each list's own calibration (emulate_calibrate: the family at m = 3p under the row's costs) ----------------
+
+
+def _list_blocks(reports: tuple) -> dict[str, dict[int, dict]]:
+    """key ('family/costs') -> {p: block}, in the order of the grids' rows."""
+    out: dict[str, dict[int, dict]] = {}
+    for report in reports:
+        for pp, blocks in report.get("list_calibrations", {}).items():
+            for key, block in blocks.items():
+                out.setdefault(key, {})[int(pp)] = block
+    order = {row.get("calibrated_on"): i for i, row in enumerate(_grid_rows(reports))}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
+def emulate_list_calibration_table(*reports: dict) -> str:
+    """Per list calibration and p: the waited latency's median (below 0, timing noise: 0, as the simulation
+    takes it) · mean (ms), the host time per compute action
+    + per posted send or receive (ms), and the 90th percentile of the late wake-ups (ms, not charged), e.g.
+    '0.95 · 1.00 (0.12 + 0.14; 0.69)'."""
+    blocks = _list_blocks(reports)
+    pps = sorted({pp for by_p in blocks.values() for pp in by_p})
+    out = []
+    for key, by_p in blocks.items():
+        family, kind = key.split("/")
+        cells = [family, kind]
+        for pp in pps:
+            c = by_p.get(pp)
+            cells.append("–" if c is None else  # a median below 0 is timing noise, used as 0 (with_host_costs)
+                         f"{num(max(c['p2p_latency_ms'], 0.0), 2)} · {num(c['p2p_latency_mean_ms'], 2)} "
+                         f"({num(c['host_compute_ms'], 2)} + {num(c['host_post_ms'], 2)}; {num(c['overrun_ms_p90'], 2)})")
+        out.append(cells)
+    return table(["list (m = 3p)", "costs"] + [f"p = {pp}: latency ms median · mean (host per action + per post; "
+                                              "late wake-up p90)" for pp in pps], out)
+
+
+CROWDING_BINS = ((0, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 99))
+
+
+def emulate_crowding_table(*reports: dict, keys: tuple[str, ...] = ("1f1b/equal", "zb-v/equal", "v-half/equal")) -> str:
+    """At the largest p of the reports, for the list calibrations `keys`: per bin of the number of compute actions
+    (any rank) that ended in the 4 ms up to a send's post, the waited inputs and their latency as 'n · ms'; the
+    blocks keep a median per count (`latency_ms_by_recent_ends`), so a bin's figure is the median of its
+    counts' medians weighted by their inputs (ours)."""
+    blocks = _list_blocks(reports)
+    pp = max(pp for by_p in blocks.values() for pp in by_p)
+    out = []
+    for low, high in CROWDING_BINS:
+        cells = [f"{low}–{high}" if high < 99 else f"{low} or more"]
+        for key in keys:
+            counts = blocks[key][pp]["latency_ms_by_recent_ends"]
+            items = sorted((median, n) for c, (n, median) in counts.items() if low <= int(c) <= high)
+            total = sum(n for _, n in items)
+            if not total:
+                cells.append("–")
+                continue
+            seen = 0
+            for median, n in items:  # the weighted median of the per-count medians
+                seen += n
+                if 2 * seen >= total:
+                    break
+            cells.append(f"{total} · {num(median, 2)}")
+        out.append(cells)
+    return table([f"compute actions ended in the 4 ms before the send (p = {pp})"] +
+                 [f"{k.replace('/', ', ')}: waited inputs · latency ms" for k in keys], out)
+
+
+def emulate_common_targets(*reports: dict) -> str:
+    """Per p, the rows within both targets against the simulation with the common 1f1b calibration's drawn
+    latencies (`common_*`, the rule before each list had its own): 'p = 4: 52 of 52; ...'."""
+    parts = []
+    for pp, rows in _rows_by_p(reports).items():
+        held = sum(abs(r["measured_step_s"] / r["common_step_s"] - 1) <= 0.05 and (
+            abs(r["measured_bubble"] / r["common_bubble"] - 1) <= 0.15) for r in rows)
         parts.append(f"p = {pp}: {held} of {len(rows)}")
     return "; ".join(parts)

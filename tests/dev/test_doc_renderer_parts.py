@@ -84,3 +84,31 @@ def test_a_renderer_whose_rows_are_gone_is_one_named_problem(monkeypatch):
     _, differences, problems = render_docs.render_page(text, "docs/toy.md", ROOT)
     assert differences == [] and len(problems) == 1
     assert problems[0].startswith("docs/toy.md:1: render toy-quote: cannot render") and "no row's claim" in problems[0]
+
+
+def test_crowding_bins_take_the_weighted_median_of_their_counts_medians():
+    """docs/schedules.md's crowding table (dev/doc_renderers_emulate.py): per bin of compute actions ended
+    before a send, the inputs and the median of the per-count medians weighted by their inputs. Bin 3-4 holds
+    count 3 (10 inputs, 0.2 ms) and count 4 (30 inputs, 0.6 ms): 40 inputs, and the 20th falls in count 4's."""
+    import doc_renderers_emulate as emulate
+
+    def block(counts):
+        return {"latency_ms_by_recent_ends": counts}
+    blocks = {"1f1b/equal": block({"3": [10, 0.2], "4": [30, 0.6]}), "zb-v/equal": block({"1": [5, 0.1]}),
+              "v-half/equal": block({"13": [2, 1.5], "20": [1, 0.9]})}
+    reports = ({"rows": [], "list_calibrations": {"16": blocks}},)
+    lines = emulate.emulate_crowding_table(*reports).splitlines()
+    assert "(p = 16)" in lines[0]
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert cells["3–4"][0] == "40 · 0.60" and cells["0–2"][1] == "5 · 0.10"
+    assert cells["13 or more"][2].rstrip(" |") == "3 · 1.50" and cells["5–6"][0] == "–"
+
+
+def test_list_calibration_cells_show_a_negative_median_as_zero():
+    """A median latency below 0 is timing noise, which the simulation takes as 0: the table shows it so."""
+    import doc_renderers_emulate as emulate
+
+    block = {"p2p_latency_ms": -0.004, "p2p_latency_mean_ms": 0.03, "host_compute_ms": 0.09, "host_post_ms": 0.15,
+             "overrun_ms_p90": 0.06}
+    text = emulate.emulate_list_calibration_table({"rows": [], "list_calibrations": {"4": {"zb-h2/split": block}}})
+    assert "| zb-h2 | split | 0.00 · 0.03 (0.09 + 0.15; 0.06) |" in text
