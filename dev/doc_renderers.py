@@ -688,7 +688,8 @@ RENDERERS["emulate-crowding"] = (EMULATED, emulate.emulate_crowding_table)
 RENDERERS["emulate-common-targets"] = (EMULATED, emulate.emulate_common_targets)
 RENDERERS["emulate-plans"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_table)
 RENDERERS["emulate-plans-early"] = ("docs/results/emulate_plans.json", emulate.emulate_plans_early_receives)
-RENDERERS["emulate-replay"] = (("docs/results/emulate_replay_p8.json", "docs/results/emulate_replay_p16.json"),
+RENDERERS["emulate-replay"] = (("docs/results/emulate_replay_p8.json", "docs/results/emulate_replay_p16.json",
+                                "docs/results/emulate_replay_p8_zb_v.json"),
                                emulate.emulate_replay_table)
 RENDERERS["emulate-median-targets"] = (EMULATED, emulate.emulate_median_targets)
 
