@@ -174,15 +174,23 @@ def emulate_ratios_table(*reports: dict) -> str:
                   "papers' bubble formulas (ours: step = m·(F+BI+BW) + bubble)"], out)
 
 
+def _held_against(reports: tuple, simulation: str) -> str:
+    """Per p, the rows within both targets (step 5%, bubble 15%, relative; a simulated bubble of 0 holds the
+    bubble target) against the simulation whose fields are `<simulation>_step_s` and `<simulation>_bubble`:
+    'p = 4: 52 of 52; ...'."""
+    parts = []
+    for pp, rows in _rows_by_p(reports).items():
+        held = sum(abs(r["measured_step_s"] / r[f"{simulation}_step_s"] - 1) <= 0.05 and (
+            r[f"{simulation}_bubble"] == 0 or abs(r["measured_bubble"] / r[f"{simulation}_bubble"] - 1) <= 0.15)
+            for r in rows)
+        parts.append(f"p = {pp}: {held} of {len(rows)}")
+    return "; ".join(parts)
+
+
 def emulate_ideal_targets(*reports: dict) -> str:
     """Per p, the rows within both targets against the ideal simulation instead (what the previous grids were
     held to): 'p = 4: 18 of 52; ...'."""
-    parts = []
-    for pp, rows in _rows_by_p(reports).items():
-        held = sum(abs(r["measured_step_s"] / r["ideal_step_s"] - 1) <= 0.05 and (
-            r["ideal_bubble"] == 0 or abs(r["measured_bubble"] / r["ideal_bubble"] - 1) <= 0.15) for r in rows)
-        parts.append(f"p = {pp}: {held} of {len(rows)}")
-    return "; ".join(parts)
+    return _held_against(reports, "ideal")
 
 
 def emulate_misses(*reports: dict) -> str:
@@ -233,12 +241,7 @@ def emulate_replay_table(*reports: dict) -> str:
 def emulate_median_targets(*reports: dict) -> str:
     """Per p, the rows within both targets against the simulation with the calibration's median latency for
     every message (`median_latency_*`, the rule before the drawn latencies): 'p = 4: 52 of 52; ...'."""
-    parts = []
-    for pp, rows in _rows_by_p(reports).items():
-        held = sum(abs(r["measured_step_s"] / r["median_latency_step_s"] - 1) <= 0.05 and (
-            abs(r["measured_bubble"] / r["median_latency_bubble"] - 1) <= 0.15) for r in rows)
-        parts.append(f"p = {pp}: {held} of {len(rows)}")
-    return "; ".join(parts)
+    return _held_against(reports, "median_latency")
 
 
 # Each list's own calibration (emulate_calibrate: the family at m = 3p under the row's costs) ----------------
@@ -310,9 +313,4 @@ def emulate_crowding_table(*reports: dict, keys: tuple[str, ...] = ("1f1b/equal"
 def emulate_common_targets(*reports: dict) -> str:
     """Per p, the rows within both targets against the simulation with the common 1f1b calibration's drawn
     latencies (`common_*`, the rule before each list had its own): 'p = 4: 52 of 52; ...'."""
-    parts = []
-    for pp, rows in _rows_by_p(reports).items():
-        held = sum(abs(r["measured_step_s"] / r["common_step_s"] - 1) <= 0.05 and (
-            abs(r["measured_bubble"] / r["common_bubble"] - 1) <= 0.15) for r in rows)
-        parts.append(f"p = {pp}: {held} of {len(rows)}")
-    return "; ".join(parts)
+    return _held_against(reports, "common")
