@@ -15,3 +15,14 @@ def _close_worker_pools():
     from tests.dist import shutdown_pools
 
     shutdown_pools()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _schedule_registry_per_module():
+    """Each test module leaves the schedule registry as it found it (`tests.registry_state`): no later module
+    finds a plugin schedule it loaded (tools/plan.py ranks every registered schedule, and pool workers of
+    other tests lack it), and the modules pass in any order."""
+    from tests.registry_state import schedule_registry_restored
+
+    with schedule_registry_restored():
+        yield
