@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="trace_vs_sim.py", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", default="2,4", help="pipeline sizes, comma-separated")
     parser.add_argument("--schedules", default=None,
-                        help="comma-separated (default: 1f1b,interleaved-1f1b,zb-h1,zb-v); with --emulate 'all' takes "
+                        help=f"comma-separated (default: {DEFAULT_SCHEDULES}); with --emulate 'all' takes "
                              "every family, and with --calibrate-only the lists named are calibrated too")
     parser.add_argument("--microbatches", default="8",
                         help="microbatches per step; with --emulate a comma-separated list where Np means N x pp "

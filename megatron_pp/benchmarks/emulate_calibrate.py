@@ -20,16 +20,17 @@ as in the grid, and the host is loaded alike), `steps` measured steps after a wa
   in at the send's post plus it. (A gloo receive reports itself complete only once waited for, so every
   consumer "waits" some microseconds: a consumer called after the send would measure its own lateness.)
 
-Each list calibrated on its own run (the rule since the third grids; ours, stated before they were run): the
-host's latency depends on the list's pattern of messages, not only on the host. With 16 ranks on 2 cores a
-message waits for a core behind the other ranks' host work, and a list whose ranks end their compute
-actions together (V-Half's and ZB-V's loops at equal costs, which leave no slack to spread them) makes that
-queue longer: the waited latencies grow with the number of compute actions that ended, on any rank, in the
+Each list calibrated on its own run (ours, stated before the grids that use it were run): the host's latency
+depends on the list's pattern of messages, not only on the host. With 16 ranks on 2 cores a message waits
+for a core behind the other ranks' host work, and a list whose ranks end their compute actions together
+(V-Half's and ZB-V's loops at equal costs, which leave no slack to spread them) makes that queue longer:
+the waited latencies grow with the number of compute actions that ended, on any rank, in the
 `RECENT_ENDS_WINDOW_S` before the send (`latency_ms_by_recent_ends` in each block), and V-Half's lists end
-more of them together than 1F1B's ever do (docs/schedules.md has the blocks, and a probe of the emulation's
-last `SPIN_S` of a wait: spun, spun yielding the core, or slept, the latencies stay). A calibration on `1f1b` therefore charges other lists too little. So each (schedule, cost set) of a grid
-gets a calibration of its own: the same list family at m = 3p (none of the grid's rows), under the same
-costs (`list_calibration_key`: a list without a split backward has the same costs under both sets and is
+more of them together than 1F1B's ever do (docs/schedules.md has the blocks; a probe of the emulation's last
+`SPIN_S` of a wait, spun, spun yielding the core or slept, left the latencies as they were). A calibration
+on `1f1b` therefore charges other lists too little. So each (schedule, cost set) of a grid gets a
+calibration of its own: the same list family at m = 3p (none of the grid's rows), under the same costs
+(`list_calibration_key`: a list without a split backward has the same costs under both sets and is
 calibrated once), and its rows are simulated with that block's host terms and latencies. The `1f1b` block
 stays the grid's common calibration; each row keeps its simulation with it beside (`common_*`).
 

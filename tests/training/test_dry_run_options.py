@@ -32,12 +32,12 @@ BYTES = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "stash_peak_byt
 @pytest.fixture(autouse=True)
 def _plugin_schedule_leaves_this_process():
     """The plugin case loads its schedule into this process (parse_args); no later test here should find it
-    registered (tools/plan.py ranks every registered schedule, and pool workers of other tests lack it)."""
-    yield
-    from megatron_pp.schedules import registry
+    registered (tools/plan.py ranks every registered schedule, and pool workers of other tests lack it): the
+    registry is restored after each test, as tests/conftest.py does after each module."""
+    from tests.registry_state import schedule_registry_restored
 
-    if "dry-offloaded-interleaved" in registry.list_schedules():
-        registry.unregister_schedule("dry-offloaded-interleaved")
+    with schedule_registry_restored():
+        yield
 
 
 def _case(name: str, tmp_path) -> tuple[list[str], int, int]:
